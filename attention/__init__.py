@@ -1,0 +1,1 @@
+"""Attention metadata, metadata builders, backends (torch, Triton) and the KV write."""

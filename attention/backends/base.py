@@ -1,0 +1,44 @@
+"""The attention backend interface and its declared CUDA-graph support."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, ClassVar
+
+import torch
+
+from attention.metadata import CommonAttentionMetadata
+
+
+class AttentionCGSupport(enum.Enum):
+    """How much of a forward a backend's attention can be captured in a FULL graph."""
+
+    ALWAYS = "ALWAYS"
+    """Any batch, prefill and mixed included: the launch depends only on padded shapes."""
+    UNIFORM_DECODE = "UNIFORM_DECODE"
+    """Only batches where every request adds one token."""
+    NEVER = "NEVER"
+    """Never inside a FULL graph (it may still run as a PIECEWISE break point)."""
+
+
+class AttentionBackend:
+    """One attention implementation: builds its metadata and runs the op for a layer.
+
+    `forward` writes the result into `out` (a caller-provided buffer): inside a
+    PIECEWISE capture a freshly allocated result would live outside the graph pool.
+    """
+
+    name: ClassVar[str]
+    cudagraph_support: ClassVar[AttentionCGSupport]
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> Any:
+        """Backend metadata for one step; must only hold views of `common`'s tensors
+        (plus per-step Python ints) so that FULL graphs see fixed addresses."""
+        return common
+
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                out: torch.Tensor, kv_cache: torch.Tensor | None, metadata: Any) -> None:
+        """query [T, Hq, D], key/value [T, Hkv, D], out [T, Hq, D]. With a KV cache:
+        write key/value at metadata.slot_mapping (-1 skips), then attend over the cache.
+        Without one (profile run): causal attention within each request's new tokens."""
+        raise NotImplementedError

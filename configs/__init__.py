@@ -1,0 +1,9 @@
+"""Pydantic configuration models and enums; the only place defaults live."""
+
+from configs.engine_config import (CacheConfig, CompilationConfig, EngineConfig, ModelConfig,
+                                   ParallelConfig, SchedulerConfig)
+from configs.graph_mode import CUDAGraphMode
+from configs.sampling_params import SamplingParams
+
+__all__ = ["CUDAGraphMode", "CacheConfig", "CompilationConfig", "EngineConfig", "ModelConfig",
+           "ParallelConfig", "SamplingParams", "SchedulerConfig"]

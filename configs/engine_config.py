@@ -1,0 +1,128 @@
+"""Engine configuration: the one home of every default.
+
+`EngineConfig.from_kwargs(model=..., **kwargs)` takes the flat keyword arguments a user
+passes to `LLM(...)` and routes each to the sub-config that owns it, so a misspelt
+option fails loudly with the list of known ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from configs.graph_mode import CUDAGraphMode
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class ModelConfig(_Config):
+    model: str = Field(..., description="HF checkpoint folder, or 'default' for the embedded SmolLM2")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int | None = Field(None, ge=1)
+    load_format: Literal["auto", "dummy"] = "auto"
+    tokenizer: str | None = None
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    """auto: triton on CUDA, torch on a CPU."""
+
+
+class CacheConfig(_Config):
+    block_size: int = Field(16, ge=1, le=1024)
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    kv_cache_memory: int | None = Field(
+        None, ge=1, description="KV cache bytes on a CPU; None: 1/4 of free memory, at most 4 GiB")
+    num_kv_blocks: int | None = Field(None, ge=1, description="override the computed block count")
+    enable_prefix_caching: bool = True
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"block_size must be a power of two, got {value}")
+        return value
+
+
+class SchedulerConfig(_Config):
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(8192, ge=1)
+    enable_chunked_prefill: bool = True
+
+
+class CompilationConfig(_Config):
+    cudagraph_mode: CUDAGraphMode = CUDAGraphMode.FULL_AND_PIECEWISE
+    cudagraph_capture_sizes: list[int] | None = None
+    max_cudagraph_capture_size: int = Field(512, ge=1)
+    debug_cudagraph_addresses: bool = False
+
+    @field_validator("cudagraph_mode", mode="before")
+    @classmethod
+    def _mode_by_name(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                return CUDAGraphMode[value.upper()]
+            except KeyError:
+                raise ValueError(
+                    f"unknown cudagraph_mode {value!r}; allowed: {[m.name for m in CUDAGraphMode]}") from None
+        return value
+
+    @field_validator("cudagraph_capture_sizes")
+    @classmethod
+    def _positive_sizes(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None:
+            if not value or any(s < 1 for s in value):
+                raise ValueError(f"cudagraph_capture_sizes must be positive integers, got {value}")
+            value = sorted(set(value))
+        return value
+
+
+class ParallelConfig(_Config):
+    pipeline_parallel_size: int = Field(1, ge=1, le=64)
+    pipeline_layer_split: list[int] | None = Field(
+        None, description="layers per pipeline rank; default an even split")
+    distributed_init_timeout_s: float = Field(120.0, gt=0)
+
+
+class EngineConfig(_Config):
+    model_config_: ModelConfig = Field(..., alias="model_config")
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    compilation: CompilationConfig = Field(default_factory=CompilationConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = Field(0, ge=0)
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True,
+                              protected_namespaces=())
+
+    @property
+    def model(self) -> ModelConfig:
+        return self.model_config_
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "EngineConfig":
+        split = self.parallel.pipeline_layer_split
+        if split is not None and len(split) != self.parallel.pipeline_parallel_size:
+            raise ValueError(
+                f"pipeline_layer_split has {len(split)} entries but pipeline_parallel_size is "
+                f"{self.parallel.pipeline_parallel_size}")
+        return self
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Route flat `LLM(...)` keyword arguments to the sub-config that owns each."""
+        owners = {"model_config": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                  "compilation": CompilationConfig, "parallel": ParallelConfig}
+        parts: dict[str, dict[str, Any]] = {name: {} for name in owners}
+        top: dict[str, Any] = {}
+        for key, value in kwargs.items():
+            if key in ("device", "seed"):
+                top[key] = value
+                continue
+            owner = next((name for name, sub in owners.items() if key in sub.model_fields), None)
+            if owner is None:
+                known = sorted({f for sub in owners.values() for f in sub.model_fields} | {"device", "seed"})
+                raise TypeError(f"unknown engine option {key!r}; known options: {', '.join(known)}")
+            parts[owner][key] = value
+        return cls(**{name: sub(**parts[name]) for name, sub in owners.items()}, **top)

@@ -1,0 +1,130 @@
+"""One Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3) switched by ModelSpec flags.
+
+The forward takes flattened tokens (no batch or padding dimension) and reads per-step
+attention state from the forward context. Under pipeline parallelism a rank holds only
+its contiguous slice of layers; the first rank embeds, the last normalises and projects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from attention.layer import Attention
+from models.hf_config import ModelSpec
+from models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+
+@dataclass
+class IntermediateTensors:
+    """What one pipeline stage hands the next."""
+    hidden_states: torch.Tensor
+    residual: torch.Tensor
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, cache_index: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_proj_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
+        self.qk_norm = spec.qk_norm
+        self.rotary = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, cache_index)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(tokens, self.num_heads, self.head_dim)
+        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, cache_index: int) -> None:
+        super().__init__()
+        self.self_attn = SelfAttention(spec, rotary, cache_index)
+        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_range: range, max_positions: int) -> None:
+        super().__init__()
+        self.is_first = layer_range.start == 0
+        self.is_last = layer_range.stop == spec.num_layers
+        if self.is_first:
+            self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        rotary = RotaryEmbedding(spec.hf_config, max_positions)
+        # Keyed by the global layer index so parameter names match the checkpoint's.
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(spec, rotary, cache_index=n)
+                                     for n, i in enumerate(layer_range)})
+        if self.is_last:
+            self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, input_ids, positions, intermediate: IntermediateTensors | None = None):
+        if self.is_first:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate.hidden_states, intermediate.residual
+        for layer in self.layers.values():
+            hidden, residual = layer(positions, hidden, residual)
+        if not self.is_last:
+            return IntermediateTensors(hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """`forward(input_ids [T], positions [T], intermediate=None)` -> hidden [T, H] on the last
+    pipeline rank, IntermediateTensors elsewhere; `compute_logits(hidden [N, H])` -> [N, V] fp32."""
+
+    def __init__(self, spec: ModelSpec, layer_range: range | None = None, max_positions: int | None = None):
+        super().__init__()
+        self.spec = spec
+        self.layer_range = layer_range if layer_range is not None else range(spec.num_layers)
+        self.model = LlamaModel(spec, self.layer_range, max_positions or spec.max_position_embeddings)
+        if self.model.is_last:
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            if spec.tie_word_embeddings and self.model.is_first:
+                self.lm_head.weight = self.model.embed_tokens.weight
+
+    def reset_buffers(self) -> None:
+        """Recompute non-parameter state after `to_empty` (the module is built on the meta
+        device to skip a useless random init) and re-tie the head to the embedding."""
+        for module in self.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.reset_cache()
+        if hasattr(self, "lm_head") and self.model.is_first and self.spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def num_local_layers(self) -> int:
+        return len(self.layer_range)
+
+    def forward(self, input_ids, positions, intermediate: IntermediateTensors | None = None):
+        return self.model(input_ids, positions, intermediate)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

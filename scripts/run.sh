@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Set up (idempotent) and generate with the embedded SmolLM2-135M-Instruct on this machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec graphrunner generate --model default --chat --max-tokens 48 \
+  --prompt "What is the capital of France?" \
+  --prompt "Write a haiku about GPUs." \
+  --prompt "Name three primary colors." "$@"

@@ -1,0 +1,15 @@
+"""Shared test set-up: the `cuda` marker skips without a GPU; small logging."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_suite.sh on the device machine)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

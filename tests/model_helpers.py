@@ -1,0 +1,31 @@
+"""Run our model outside the engine: flattened prefill with no KV cache (the warm-up case)."""
+
+from __future__ import annotations
+
+import torch
+
+from attention.backends.torch_sdpa import TorchSDPABackend
+from attention.forward_context import ForwardContext, set_forward_context
+from models import build_model, load_hf_config, model_spec
+from runner.input_batch import InputBatch
+
+
+def load_ours(path, dtype=torch.float32, load_format="auto"):
+    spec = model_spec(load_hf_config(path))
+    return build_model(spec, path, device=torch.device("cpu"), dtype=dtype, load_format=load_format)
+
+
+@torch.inference_mode()
+def prefill_logits(model, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Logits of every position of every prompt, all prompts in ONE flattened forward."""
+    total = sum(len(p) for p in prompts)
+    batch = InputBatch(total, len(prompts), 1, 16, torch.device("cpu"))
+    _, common = batch.prepare(prompts, [0] * len(prompts), [[] for _ in prompts], total, len(prompts),
+                              slots_enabled=False)
+    context = ForwardContext(common, None, TorchSDPABackend())
+    input_ids, positions = batch.model_inputs(total)
+    with set_forward_context(context):
+        hidden = model(input_ids, positions)
+    logits = model.compute_logits(hidden)
+    starts = common.query_start_loc_cpu.tolist()
+    return [logits[a:b] for a, b in zip(starts[:-1], starts[1:])]
