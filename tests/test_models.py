@@ -1,0 +1,165 @@
+"""Issue 2: our Llama-family module against HF transformers (fp32 prefill logits), and loader errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from checkpoints import hf_prefill_logits, make_tiny_checkpoint
+from model_helpers import load_ours, prefill_logits
+from models import (CheckpointError, UnsupportedArchitectureError, WeightLoadError, build_model, load_hf_config,
+                    model_spec)
+
+CASES = {
+    "llama_mha": ("llama", {}),
+    "llama_gqa_tied": ("llama_gqa", {"tie_word_embeddings": True}),
+    "llama_gqa_untied": ("llama_gqa", {"tie_word_embeddings": False}),
+    "mistral": ("mistral", {}),
+    "qwen2_bias": ("qwen2", {}),
+    "qwen3_qknorm_headdim": ("qwen3", {}),
+    "llama3_rope": ("llama_gqa", {"rope_scaling": "llama3"}),
+    "yarn_rope": ("llama", {"rope_scaling": "yarn"}),
+    "sharded": ("llama_gqa", {"sharded": True}),
+}
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in (7, 33, 1, 150)]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_prefill_logits_match_hf(tmp_path, case):
+    family, kwargs = CASES[case]
+    path, hf = make_tiny_checkpoint(tmp_path / case, family, **kwargs)
+    ours = load_ours(path)
+    prompts = _prompts()
+    for got, prompt in zip(prefill_logits(ours, prompts), prompts):
+        expected = hf_prefill_logits(hf, prompt)
+        assert got.shape == expected.shape
+        assert (got - expected).abs().max().item() < 1e-4, case
+
+
+def test_family_flags_reach_the_module(tmp_path):
+    qwen2 = load_ours(make_tiny_checkpoint(tmp_path / "q2", "qwen2")[0])
+    qwen3 = load_ours(make_tiny_checkpoint(tmp_path / "q3", "qwen3")[0])
+    assert qwen2.model.layers["0"].self_attn.qkv_proj.bias is not None
+    assert qwen3.spec.head_dim == 32 and qwen3.spec.hidden_size // qwen3.spec.num_heads == 16
+    assert hasattr(qwen3.model.layers["0"].self_attn, "q_norm")
+
+
+def test_tied_embeddings_share_storage(tmp_path):
+    model = load_ours(make_tiny_checkpoint(tmp_path / "tied", "llama_gqa", tie_word_embeddings=True)[0])
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_bfloat16_conversion_on_load(tmp_path):
+    path, _ = make_tiny_checkpoint(tmp_path / "c", "llama_gqa")
+    model = load_ours(path, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert model.model.layers["0"].self_attn.rotary.cos_sin_cache.dtype == torch.float32
+
+
+def test_dummy_load_needs_no_weights(tmp_path):
+    path, _ = make_tiny_checkpoint(tmp_path / "c", "qwen3")
+    for file in path.glob("*.safetensors"):
+        file.unlink()
+    model = load_ours(path, load_format="dummy")
+    spec = model.spec
+    qkv = model.model.layers["1"].self_attn.qkv_proj.weight
+    assert qkv.shape == ((spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim, spec.hidden_size)
+    assert model.lm_head.weight.shape == (spec.vocab_size, spec.hidden_size)
+    assert torch.isfinite(prefill_logits(model, [[5, 6, 7]])[0]).all()
+
+
+def test_pipeline_slice_loads_only_its_layers(tmp_path):
+    path, hf = make_tiny_checkpoint(tmp_path / "c", "llama_gqa", tie_word_embeddings=True)
+    spec = model_spec(load_hf_config(path))
+    last = build_model(spec, path, device=torch.device("cpu"), dtype=torch.float32, layer_range=range(1, 2))
+    assert list(last.model.layers) == ["1"] and not hasattr(last.model, "embed_tokens")
+    # Tied head on a rank without the embedding: loaded from the embedding tensor.
+    assert torch.equal(last.lm_head.weight, hf.model.embed_tokens.weight)
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+def test_unknown_architecture_lists_supported(tmp_path):
+    path, _ = make_tiny_checkpoint(tmp_path / "c", "llama")
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedArchitectureError, match="GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        model_spec(load_hf_config(path))
+
+
+def test_missing_folder_and_missing_files(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_hf_config(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_hf_config(tmp_path / "empty")
+    path, _ = make_tiny_checkpoint(tmp_path / "c", "llama")
+    for file in path.glob("*.safetensors"):
+        file.unlink()
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        load_ours(path)
+
+
+def _rewrite(path, edit):
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def test_missing_tensor_is_named(tmp_path):
+    path, _ = make_tiny_checkpoint(tmp_path / "c", "llama")
+    _rewrite(path, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
+    with pytest.raises(WeightLoadError, match=r"missing tensor.*model\.layers\.1\.self_attn\.k_proj\.weight.*model\.safetensors"):
+        load_ours(path)
+
+
+def test_missing_tensor_in_sharded_file(tmp_path):
+    path, _ = make_tiny_checkpoint(tmp_path / "c", "llama", sharded=True)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    name, file = "model.norm.weight", path / index["weight_map"]["model.norm.weight"]
+    tensors = load_file(file)
+    tensors.pop(name)
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(WeightLoadError, match=rf"missing tensor 'model\.norm\.weight'.*{file.name}"):
+        load_ours(path)
+
+
+def test_shape_mismatch_names_expected_and_found(tmp_path):
+    path, _ = make_tiny_checkpoint(tmp_path / "c", "llama")
+    _rewrite(path, lambda t: t.__setitem__("model.layers.0.mlp.up_proj.weight", torch.zeros(3, 64)))
+    with pytest.raises(WeightLoadError, match=r"shape mismatch for 'model\.layers\.0\.mlp\.up_proj\.weight'.*"
+                                              r"expected \(128, 64\), found \(3, 64\)"):
+        load_ours(path)
+
+
+def test_unexpected_tensor_is_named(tmp_path):
+    path, _ = make_tiny_checkpoint(tmp_path / "c", "llama")
+    _rewrite(path, lambda t: t.__setitem__("model.layers.0.self_attn.mystery.weight", torch.zeros(2)))
+    with pytest.raises(WeightLoadError, match=r"unexpected tensor 'model\.layers\.0\.self_attn\.mystery\.weight'"):
+        load_ours(path)
+
+
+def test_bad_config_values_name_the_field():
+    from pydantic import ValidationError
+
+    from configs import EngineConfig, SamplingParams
+    with pytest.raises(ValidationError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValidationError, match="block_size"):
+        EngineConfig.from_kwargs(model="x", block_size=24)
+    with pytest.raises(ValidationError, match="gpu_memory_utilization"):
+        EngineConfig.from_kwargs(model="x", gpu_memory_utilization=1.5)
+    with pytest.raises(ValidationError, match="cudagraph_mode"):
+        EngineConfig.from_kwargs(model="x", cudagraph_mode="SOMETIMES")
+    with pytest.raises(TypeError, match="unknown engine option 'blocksize'"):
+        EngineConfig.from_kwargs(model="x", blocksize=16)
