@@ -161,6 +161,8 @@ class LLMEngine:
         """One scheduler step and one forward; outputs of every request that got a token."""
         sched = self.scheduler.schedule()
         if not sched.scheduled:
+            if sched.finished_ids:
+                self.executor.execute(sched)  # lets the runner drop per-request state (generators)
             return []
         result = self.executor.execute(sched)
         now = time.monotonic()

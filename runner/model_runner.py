@@ -16,6 +16,7 @@ from attention.backends import get_attention_backend
 from attention.forward_context import ForwardContext, set_forward_context
 from configs import CUDAGraphMode, EngineConfig, SamplingParams
 from models.hf_config import ModelSpec
+from models.llama import IntermediateTensors
 from models.loader import build_model
 from runner.cudagraph import (BatchDescriptor, CapturePhase, CUDAGraphWrapper, CudagraphDispatcher,
                               capture_all, default_capture_sizes, graph_pool, measure_graph_memory,
@@ -62,6 +63,12 @@ class ModelRunner:
         self.model = build_model(self.spec, self.model_path, device=self.device, dtype=self.dtype,
                                  load_format=self.config.model.load_format, layer_range=self.layer_range,
                                  max_positions=self.max_model_len, seed=self.config.seed)
+        if not self.model.model.is_first:
+            # Pipeline stages after the first receive into these, so their graphs see fixed addresses.
+            shape = (self.max_num_tokens, self.spec.hidden_size)
+            self.intermediate_buffers = IntermediateTensors(
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device))
         self._build_graph_wrappers(graph_pool() if self.device.type == "cuda" else None)
         logger.info("loaded %s (%s, %s) in %.2f s; cudagraph mode %s", self.spec.architecture, self.dtype,
                     self.config.model.load_format, time.perf_counter() - started, self.cudagraph_mode.name)
@@ -78,6 +85,13 @@ class ModelRunner:
         if self.cudagraph_mode.has_full():
             forward = self.full = CUDAGraphWrapper(forward, CUDAGraphMode.FULL, pool, self.capture_phase, debug)
         self.forward = forward
+
+    def intermediate_view(self, num_tokens: int) -> IntermediateTensors | None:
+        """Views [:num_tokens] of the persistent receive buffers (None on the first stage)."""
+        if self.model.model.is_first:
+            return None
+        buffers = self.intermediate_buffers
+        return IntermediateTensors(buffers.hidden_states[:num_tokens], buffers.residual[:num_tokens])
 
     def kv_cache_bytes_per_block(self) -> int:
         per_layer = 2 * self.block_size * self.spec.num_kv_heads * self.spec.head_dim * self.dtype.itemsize
@@ -172,13 +186,12 @@ class ModelRunner:
         return self.graph_reserve_bytes
 
     # ---- one step --------------------------------------------------------------------------
-    def _forward(self, padded_tokens: int, common, mode: CUDAGraphMode, desc: BatchDescriptor | None,
-                 intermediate=None):
+    def _forward(self, padded_tokens: int, common, mode: CUDAGraphMode, desc: BatchDescriptor | None):
         metadata = self.attn_backend.build_metadata(common)
         context = ForwardContext(metadata, self.kv_caches, self.attn_backend, mode, desc)
         input_ids, positions = self.input_batch.model_inputs(padded_tokens)
         with set_forward_context(context):
-            return self.forward(input_ids, positions, intermediate)
+            return self.forward(input_ids, positions, self.intermediate_view(padded_tokens))
 
     def dispatch(self, sched: SchedulerOutput) -> tuple[CUDAGraphMode, BatchDescriptor | None]:
         """The graph decision; a pure function of the broadcast step, so every pipeline rank agrees."""
@@ -196,16 +209,22 @@ class ModelRunner:
                                              [r.block_ids for r in reqs], padded_tokens, padded_reqs)
         return mode, desc, padded_tokens, common
 
+    def padded_num_tokens(self, sched: SchedulerOutput) -> int:
+        """Token rows this step runs as: what a pipeline stage receives and sends."""
+        _, desc = self.dispatch(sched)
+        return desc.num_tokens if desc is not None else sched.num_scheduled_tokens
+
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, intermediate=None):
-        """Run one scheduled step. Returns sampled tokens (last pipeline rank) or the
-        intermediate tensors to send on (other ranks)."""
+    def execute(self, sched: SchedulerOutput):
+        """Run one scheduled step. Returns sampled tokens (last pipeline stage) or the
+        intermediate tensors to send on (other stages). Stages after the first must have
+        received this step's input into `intermediate_view(padded_num_tokens(sched))` first."""
         for request_id in sched.finished_ids + sched.preempted_ids:
             self.generators.pop(request_id, None)
         if not sched.scheduled:
             return ModelRunnerOutput({})
         mode, desc, padded_tokens, common = self.prepare(sched)
-        hidden = self._forward(padded_tokens, common, mode, desc, intermediate)
+        hidden = self._forward(padded_tokens, common, mode, desc)
         if not self.model.model.is_last:
             return hidden
         return self.sample(sched.scheduled, hidden, common)

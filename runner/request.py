@@ -1,0 +1,85 @@
+"""One generation request: its tokens, its progress through the KV cache, and why it ended.
+
+The scheduler owns the state transitions (WAITING -> RUNNING -> [PREEMPTED -> RUNNING ...]
+-> FINISHED); the KV-cache manager owns `block_ids`. Everything else reads.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from configs import SamplingParams
+
+FinishReason = Literal["stop", "length", "abort"]
+"""vLLM's finish reasons: a stop token/string or EOS, a length limit, or an abort."""
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    """Evicted from the KV cache to make room; waits to recompute prompt + outputs so far."""
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """A request's mutable state. `eq=False`: requests compare (and are removed) by identity."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    """Tokens whose keys/values are in the KV cache (prefix-cache hits included)."""
+    block_ids: list[int] = field(default_factory=list)
+    """The block table; written only by the KV-cache manager."""
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    """The stop string or stop token id that ended the request; None for EOS and lengths."""
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache when the request was last scheduled."""
+
+    def __post_init__(self) -> None:
+        # A private copy: the caller's list must not grow or shrink under the scheduler.
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r} has an empty prompt")
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by outputs (a new list)."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """`all_token_ids[start:end]` without copying the whole sequence (decode is the hot path)."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
