@@ -1,0 +1,263 @@
+"""One Triton kernel for paged attention over variable-length queries: prefill (with or without a
+prefix-cached context), chunked prefill and decode, mixed in one launch.
+
+Why it can live inside a CUDA graph: the grid depends only on the padded batch shape. Program
+(q_block, kv_head[, split]) finds its request from `query_start_loc` in memory, reads its loop
+bounds from `seq_lens`, and exits when there is nothing for it to do. A replay with new metadata
+(same padded shapes) therefore runs the same launch correctly.
+
+Layout of the work (the vLLM design):
+- A q block is BLOCK_Q consecutive query tokens of ONE request times all GROUP query heads that
+  share a KV head: BLOCK_M = BLOCK_Q * GROUP rows (padded to a power of two, at least 16 so
+  `tl.dot` applies). K/V tiles are read once per group, not once per query head.
+- Request r owns the virtual q blocks starting at `query_start_loc[r] // BLOCK_Q + r`; with
+  `cdiv(T, BLOCK_Q) + num_reqs` programs along axis 0 every request is covered, whatever its
+  length. Programs that land past the last request zero the padded token rows of `out`, so
+  those rows are finite (0) rather than stale.
+- Split-KV (flash decoding): with NUM_SPLITS > 1 each program takes a contiguous share of the
+  KV tiles its q block needs and writes (max, sum, unnormalised acc) to scratch; a second kernel
+  merges the splits. This buys parallelism for small batches with long contexts.
+Scores are kept in the log2 domain (scale * log2(e) folded in) so the softmax uses exp2.
+DOT_FP32 (CPU only) upcasts the dot operands: Triton's interpreter multiplies bf16 tensors as their
+raw 16-bit patterns (numpy has no bf16), so interpreted bf16 dots are wrong without it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def attention_kernel(
+    q_ptr, cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, block_table_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr,
+    scale_log2, num_tokens, num_reqs, num_q_heads,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_c_kv, stride_c_b, stride_c_s, stride_c_h, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, REQS_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # Which request owns this q block: the last r whose first virtual block is <= q_block.
+    # Vectorised over all requests (one load) instead of a binary search of dependent loads.
+    reqs = tl.arange(0, REQS_PAD)
+    starts = tl.load(qsl_ptr + reqs, mask=reqs <= num_reqs, other=0) // BLOCK_Q + reqs
+    owned = (starts <= q_block) & (reqs <= num_reqs)
+    req = tl.sum(owned.to(tl.int32), axis=0) - 1
+    q_start = tl.load(qsl_ptr + req)
+    local_block = q_block - (q_start // BLOCK_Q + req)
+
+    rows = tl.arange(0, BLOCK_M)
+    q_off = rows // GROUP
+    heads = kv_head * GROUP + rows % GROUP
+    dims = tl.arange(0, D_PAD)
+    dim_ok = dims < HEAD_DIM
+
+    if req >= num_reqs:
+        # Past the last request: zero padded token rows (with splits, the merge kernel does it).
+        if NUM_SPLITS == 1:
+            tokens = (q_start // BLOCK_Q + local_block) * BLOCK_Q + q_off
+            pad_ok = (q_off < BLOCK_Q) & (tokens >= q_start) & (tokens < num_tokens)
+            dst = out_ptr + tokens.to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+            tl.store(dst, tl.zeros([BLOCK_M, D_PAD], dtype=out_ptr.dtype.element_ty),
+                     mask=pad_ok[:, None] & dim_ok[None, :])
+        return
+
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    if local_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len
+
+    q_idx = local_block * BLOCK_Q + q_off          # query index within the request
+    row_ok = (q_off < BLOCK_Q) & (q_idx < q_len)
+    tokens = (q_start + q_idx).to(tl.int64)
+    q_pos = context_len + q_idx                    # absolute position: sees KV positions <= q_pos
+    q = tl.load(q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = q.to(tl.float32 if DOT_FP32 else cache_ptr.dtype.element_ty)
+
+    # KV positions this q block needs, and this split's share of their tiles.
+    kv_end = tl.minimum(context_len + (local_block + 1) * BLOCK_Q, seq_len)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    table_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    cols = tl.arange(0, BLOCK_N)
+    for tile in range(tile_lo, tile_hi):
+        pos = tile * BLOCK_N + cols
+        pos_ok = pos < kv_end
+        block = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        kv_off = block * stride_c_b + (pos % BLOCK_SIZE) * stride_c_s + kv_head * stride_c_h
+        k = tl.load(cache_ptr + kv_off[None, :] + dims[:, None],
+                    mask=pos_ok[None, :] & dim_ok[:, None], other=0.0)            # [D_PAD, BLOCK_N]
+        v = tl.load(cache_ptr + stride_c_kv + kv_off[:, None] + dims[None, :],
+                    mask=pos_ok[:, None] & dim_ok[None, :], other=0.0)            # [BLOCK_N, D_PAD]
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, k, input_precision="ieee") * scale_log2
+        visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # fully masked rows stay at 0
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        dst = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(dst, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    else:
+        part = (tokens * num_q_heads + heads) * NUM_SPLITS + split
+        tl.store(part_max_ptr + part, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * D_PAD + dims[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def merge_splits_kernel(
+    out_ptr, qsl_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+    num_reqs, num_q_heads, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """One program per (token row, query head): out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dims = tl.arange(0, D_PAD)
+    dst = out_ptr + token * stride_ot + head * stride_oh + dims
+    if token >= tl.load(qsl_ptr + num_reqs):       # padded token row: no request wrote scratch
+        tl.store(dst, tl.zeros([D_PAD], dtype=out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+        return
+    splits = tl.arange(0, SPLITS_PAD)
+    split_ok = splits < NUM_SPLITS
+    part = (token * num_q_heads + head) * NUM_SPLITS + splits
+    m_s = tl.load(part_max_ptr + part, mask=split_ok, other=float("-inf"))
+    l_s = tl.load(part_sum_ptr + part, mask=split_ok, other=0.0)
+    acc_s = tl.load(part_acc_ptr + part[:, None] * D_PAD + dims[None, :], mask=split_ok[:, None], other=0.0)
+    m = tl.max(m_s, axis=0)
+    w = tl.math.exp2(m_s - m)                       # empty splits: m_s = -inf -> weight 0
+    total = tl.sum(l_s * w, axis=0)
+    result = tl.sum(acc_s * w[:, None], axis=0) / total
+    tl.store(dst, result.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+MAX_SPLITS = 16
+SPLIT_ROWS = 512
+"""At most this many (token row x split) pairs: splits pay off for decode-like steps, where few
+programs would otherwise each stream a long context; big batches have parallelism already, and
+the scratch (rows x splits x Hq x D floats, 8 MiB for Llama-3-8B heads) stays small."""
+
+
+def default_num_splits(num_tokens: int, num_reqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """KV splits per q block, from padded shapes only (a graph replays whatever was chosen at
+    capture): enough (request, kv head, split) programs to give every SM about four. On an H100
+    (scripts/bench_attention.py, ctx 4096) this picks 16 / 8 / 2 splits for bs 1 / 8 / 32."""
+    if device.type != "cuda" or num_reqs == 0:
+        return 1
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    wanted = min(4 * num_sms // (num_reqs * num_kv_heads), MAX_SPLITS, SPLIT_ROWS // num_tokens)
+    return 1 << (wanted.bit_length() - 1) if wanted >= 2 else 1
+
+
+def tile_sizes(num_q_heads: int, num_kv_heads: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_Q): BLOCK_M rows = BLOCK_Q tokens x GROUP heads, at least 16 for tl.dot."""
+    group = num_q_heads // num_kv_heads
+    block_m = max(16, triton.next_power_of_2(group))
+    return block_m, block_m // group
+
+
+def launch_config(device: torch.device) -> dict:
+    """KV tile length and the compiler's warps / pipelining depth (tuned on an H100, see
+    scripts/bench_attention.py); the interpreter gets short tiles (faster in numpy)."""
+    if device.type == "cpu":
+        return dict(BLOCK_N=32, num_warps=4, num_stages=1)
+    return dict(BLOCK_N=64, num_warps=4, num_stages=2)
+
+
+def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
+                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                      scale: float, num_splits: int | None = None) -> None:
+    """Causal paged attention of query [T, Hq, D] over kv_cache [2, num_blocks, block_size, Hkv, D]
+    into out [T, Hq, D]. Request r's queries are rows query_start_loc[r]:query_start_loc[r+1] and
+    its KV is the first seq_lens[r] positions of its block_table row. Rows past
+    query_start_loc[-1] are set to 0. No host sync, no value-dependent allocation: capturable."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    num_reqs = seq_lens.shape[0]
+    if out.shape != query.shape or kv_cache.shape[4] != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(f"unified_attention shapes disagree: query {tuple(query.shape)}, "
+                         f"out {tuple(out.shape)}, kv_cache {tuple(kv_cache.shape)}")
+    if query_start_loc.shape[0] != num_reqs + 1 or block_table.shape[0] != num_reqs:
+        raise ValueError(f"metadata for {num_reqs} requests: query_start_loc {tuple(query_start_loc.shape)}, "
+                         f"block_table {tuple(block_table.shape)}")
+    if query.stride(2) != 1 or out.stride(2) != 1 or kv_cache.stride(4) != 1 or block_table.stride(1) != 1:
+        raise ValueError("unified_attention needs a contiguous head dim and contiguous block_table rows")
+    if num_tokens == 0:
+        return
+    if num_reqs == 0:
+        out.zero_()
+        return
+    if num_splits is None:
+        num_splits = default_num_splits(num_tokens, num_reqs, num_kv_heads, query.device)
+    block_m, block_q = tile_sizes(num_q_heads, num_kv_heads)
+    d_pad = triton.next_power_of_2(head_dim)
+    grid = (triton.cdiv(num_tokens, block_q) + num_reqs, num_kv_heads, num_splits)
+    if num_splits > 1:
+        part_acc = torch.empty(num_tokens, num_q_heads, num_splits, d_pad, dtype=torch.float32,
+                               device=query.device)
+        part_max = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=query.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = out          # unused
+    attention_kernel[grid](
+        query, kv_cache, out, query_start_loc, seq_lens, block_table,
+        part_acc, part_max, part_sum,
+        scale * LOG2E, num_tokens, num_reqs, num_q_heads,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
+        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=kv_cache.shape[2],
+        BLOCK_M=block_m, BLOCK_Q=block_q, REQS_PAD=triton.next_power_of_2(num_reqs + 1),
+        NUM_SPLITS=num_splits, DOT_FP32=query.device.type == "cpu", **launch_config(query.device),
+    )
+    if num_splits > 1:
+        merge_splits_kernel[(num_tokens, num_q_heads)](
+            out, query_start_loc, part_acc, part_max, part_sum,
+            num_reqs, num_q_heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=1 if d_pad <= 64 else 2,
+        )
+
+
+def causal_attention_no_cache(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              out: torch.Tensor, query_start_loc_cpu: torch.Tensor, scale: float) -> None:
+    """The profile run's attention (no KV cache yet): causal within each request's new tokens.
+    Plain torch, eager only: it is never captured, so reading host offsets is fine."""
+    num_q_heads, num_kv_heads = query.shape[1], key.shape[1]
+    group = num_q_heads // num_kv_heads
+    bounds = query_start_loc_cpu.tolist()
+    out[bounds[-1]:].zero_()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        q = query[start:end].transpose(0, 1)                           # [Hq, L, D]
+        k = key[start:end].transpose(0, 1).repeat_interleave(group, dim=0)
+        v = value[start:end].transpose(0, 1).repeat_interleave(group, dim=0)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        out[start:end] = o.transpose(0, 1)

@@ -1,0 +1,164 @@
+"""The Triton paged-attention kernels at real sizes on a GPU, and inside a CUDA graph.
+
+Llama-3-8B attention shapes (32 query heads, 8 KV heads, head_dim 128), bf16, against a float32
+torch reference. The graph test is the point of the kernel's design: one capture, replayed with
+different seq_lens / query_start_loc / block_table contents of the same padded shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention.kernels.kv_write import write_kv
+from attention.kernels.unified_attention import default_num_splits, unified_attention
+
+pytestmark = pytest.mark.cuda
+
+HQ, HKV, D = 32, 8, 128
+
+
+class Batch:
+    """Persistent-style tensors for `num_reqs` request rows / `num_tokens` token rows, filled by `fill`."""
+
+    def __init__(self, num_tokens: int, num_reqs: int, max_blocks: int, num_blocks: int, block_size: int,
+                 dtype=torch.bfloat16) -> None:
+        dev = "cuda"
+        self.block_size = block_size
+        self.kv_cache = torch.randn(2, num_blocks, block_size, HKV, D, device=dev).to(dtype)
+        self.query = torch.randn(num_tokens, HQ, D, device=dev).to(dtype)
+        self.key = torch.randn(num_tokens, HKV, D, device=dev).to(dtype)
+        self.value = torch.randn(num_tokens, HKV, D, device=dev).to(dtype)
+        self.out = torch.empty_like(self.query)
+        self.query_start_loc = torch.zeros(num_reqs + 1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(num_reqs, dtype=torch.int32, device=dev)
+        self.block_table = torch.zeros(num_reqs, max_blocks, dtype=torch.int32, device=dev)
+        self.slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int64, device=dev)
+        self.scale = D ** -0.5
+
+    def fill(self, query_lens: list[int], context_lens: list[int], seed: int) -> None:
+        """Copy a new step's metadata in place (as the model runner does before a replay)."""
+        gen = torch.Generator().manual_seed(seed)
+        num_reqs, bs = self.seq_lens.shape[0], self.block_size
+        seq_lens = [c + q for c, q in zip(context_lens, query_lens)] + [0] * (num_reqs - len(query_lens))
+        perm = torch.randperm(self.kv_cache.shape[1], generator=gen)
+        table = torch.zeros_like(self.block_table, device="cpu")
+        used = 0
+        for r, s in enumerate(seq_lens):
+            n = -(-s // bs)
+            table[r, :n] = perm[used:used + n]
+            used += n
+        qsl = torch.zeros(num_reqs + 1, dtype=torch.int32)
+        qsl[1:len(query_lens) + 1] = torch.tensor(query_lens).cumsum(0)
+        qsl[len(query_lens) + 1:] = sum(query_lens)
+        slots = torch.full_like(self.slot_mapping, -1, device="cpu")
+        for r, (c, q) in enumerate(zip(context_lens, query_lens)):
+            pos = torch.arange(c, c + q)
+            slots[int(qsl[r]):int(qsl[r + 1])] = table[r, pos // bs].long() * bs + pos % bs
+        self.block_table.copy_(table)
+        self.query_start_loc.copy_(qsl)
+        self.seq_lens.copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        self.slot_mapping.copy_(slots)
+        self.query.copy_(torch.randn(self.query.shape, generator=gen))
+        self.key.copy_(torch.randn(self.key.shape, generator=gen))
+        self.value.copy_(torch.randn(self.value.shape, generator=gen))
+
+    def run(self, num_splits: int | None = None) -> None:
+        write_kv(self.key, self.value, self.kv_cache, self.slot_mapping)
+        unified_attention(self.query, self.kv_cache, self.out, self.query_start_loc, self.seq_lens,
+                          self.block_table, self.scale, num_splits=num_splits)
+
+    def reference(self) -> torch.Tensor:
+        """float32, per request, K/V gathered through the block table (after this step's write)."""
+        out = torch.zeros(self.query.shape, dtype=torch.float32, device="cuda")
+        qsl, seq_lens = self.query_start_loc.tolist(), self.seq_lens.tolist()
+        for r, seq_len in enumerate(seq_lens):
+            start, end = qsl[r], qsl[r + 1]
+            if end == start:
+                continue
+            pos = torch.arange(seq_len, device="cuda")
+            blocks = self.block_table[r, pos // self.block_size].long()
+            k = self.kv_cache[0, blocks, pos % self.block_size].float().repeat_interleave(HQ // HKV, dim=1)
+            v = self.kv_cache[1, blocks, pos % self.block_size].float().repeat_interleave(HQ // HKV, dim=1)
+            q = self.query[start:end].float()
+            scores = torch.einsum("qhd,khd->hqk", q, k) * self.scale
+            q_pos = seq_len - (end - start) + torch.arange(end - start, device="cuda")
+            scores.masked_fill_(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+            out[start:end] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v)
+        return out
+
+    def check(self) -> None:
+        num_actual = int(self.query_start_loc[-1])
+        assert torch.isfinite(self.out).all()
+        assert (self.out[num_actual:] == 0).all()
+        torch.testing.assert_close(self.out[:num_actual].float(), self.reference()[:num_actual],
+                                   atol=2e-2, rtol=2e-2)
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 8])
+def test_decode_bs32_ctx4096(num_splits):
+    batch = Batch(32, 32, max_blocks=256, num_blocks=32 * 256 + 8, block_size=16)
+    context = torch.randint(1, 4096, (32,), generator=torch.Generator().manual_seed(0)).tolist()
+    context[0] = 4095
+    batch.fill([1] * 32, context, seed=1)
+    batch.out.fill_(float("nan"))
+    batch.run(num_splits)
+    batch.check()
+
+
+def test_prefill_two_requests_of_1000():
+    batch = Batch(2000, 2, max_blocks=63, num_blocks=140, block_size=16)
+    batch.fill([1000, 1000], [0, 0], seed=2)
+    batch.out.fill_(float("nan"))
+    batch.run()
+    batch.check()
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_mixed_batch_with_padding(block_size):
+    """Chunked prefill on a cached prefix, fresh prefill, decodes, padded tokens and requests."""
+    batch = Batch(600, 8, max_blocks=4096 // block_size, num_blocks=8 * 4096 // block_size, block_size=block_size)
+    batch.fill([300, 1, 200, 1, 1, 40], [1500, 3000, 0, 17, 4000, 64], seed=3)
+    batch.out.fill_(float("nan"))
+    batch.run()
+    batch.check()
+
+
+GRAPH_CASES = {   # (padded tokens, padded requests): steps of (query lens, context lens) replayed in turn
+    (32, 32): [([1] * 32, [100 * i + 1 for i in range(32)]), ([1] * 20, [2000 - 50 * i for i in range(20)]),
+               ([5, 1, 1], [0, 1000, 17])],
+    (128, 8): [([100, 1, 1, 1], [0, 2000, 5, 99]), ([1] * 8, [1900] * 8), ([64, 64], [1000, 0])],
+    (512, 4): [([300, 1, 100], [0, 1000, 50]), ([1] * 4, [4000, 3, 100, 2000]), ([512], [1000])],
+}
+
+
+@pytest.mark.parametrize("num_tokens,num_reqs", list(GRAPH_CASES))
+def test_cuda_graph_replays_new_metadata(num_tokens, num_reqs):
+    """Capture write_kv + unified_attention once; replay after refilling the metadata in place.
+    The two small shapes take the split-KV path (default_num_splits > 1), the large one does not."""
+    batch = Batch(num_tokens, num_reqs, max_blocks=256, num_blocks=num_reqs * 256 + 4, block_size=16)
+    steps = GRAPH_CASES[(num_tokens, num_reqs)]
+    assert (default_num_splits(num_tokens, num_reqs, HKV, torch.device("cuda")) > 1) == (num_tokens <= 128)
+    batch.fill(*steps[0], seed=10)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        batch.run()                                  # compile + warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        batch.run()
+    for i, (query_lens, context_lens) in enumerate(steps):
+        batch.fill(query_lens, context_lens, seed=20 + i)
+        batch.out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        batch.check()

@@ -1,0 +1,275 @@
+"""The Triton KV-write and unified-attention kernels against a float64 torch reference.
+
+Without a GPU the kernels run in Triton's interpreter, which must be switched on before `triton`
+is first imported (it decides compiled vs interpreted for `tl.sum` & co. at import time):
+scripts/test.sh exports TRITON_INTERPRET=1; this module sets it too when it is the first to import
+triton. With a GPU (and no TRITON_INTERPRET) the same tests run compiled on CUDA tensors.
+Shapes are tiny because the interpreter is slow; tests/test_triton_gpu.py repeats the comparisons
+at real sizes. Outputs are poisoned with NaN before every launch so a row the kernel forgot to
+write cannot pass by accident.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+_TRITON_PRELOADED = "triton" in sys.modules
+_ENV_AT_START = dict(os.environ)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+
+from attention.kernels.kv_write import write_kv  # noqa: E402  (after the TRITON_INTERPRET switch)
+from attention.kernels.unified_attention import causal_attention_no_cache, unified_attention  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _kernels_can_run():
+    """Fail loudly (not skip) when the kernels cannot run here: CI must not lose this coverage."""
+    if DEVICE == "cpu" and (not INTERPRET or (_TRITON_PRELOADED and "TRITON_INTERPRET" not in _ENV_AT_START)):
+        pytest.fail("no GPU and triton is not in interpreter mode: export TRITON_INTERPRET=1 before pytest")
+
+
+@dataclass
+class PagedBatch:
+    """Random requests laid out in a shuffled paged cache, plus padding rows/requests."""
+    query: torch.Tensor          # [T, Hq, D]
+    kv_cache: torch.Tensor       # [2, NB, BS, Hkv, D]
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_actual_tokens: int
+    scale: float
+
+
+def make_batch(query_lens: list[int], context_lens: list[int], *, num_q_heads: int, num_kv_heads: int,
+               head_dim: int, block_size: int, dtype=torch.float32, pad_tokens: int = 0,
+               pad_reqs: int = 0, seed: int = 0) -> PagedBatch:
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    blocks_per_req = [-(-s // block_size) for s in seq_lens]
+    max_blocks = max(blocks_per_req) + 1
+    num_blocks = sum(blocks_per_req) + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()     # scattered, block 0 included
+    block_table = torch.zeros(len(seq_lens) + pad_reqs, max_blocks, dtype=torch.int32)
+    for r, n in enumerate(blocks_per_req):
+        block_table[r, :n] = torch.tensor([perm.pop() for _ in range(n)])
+    # Random everywhere (never zero), so stale or unread positions would change the answer.
+    rand = lambda *shape: (torch.rand(*shape, generator=gen) + 0.1) * torch.where(  # noqa: E731
+        torch.rand(*shape, generator=gen) < 0.5, -1.0, 1.0)
+    kv_cache = rand(2, num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    num_actual = sum(query_lens)
+    query = rand(num_actual + pad_tokens, num_q_heads, head_dim).to(dtype)
+    qsl = torch.zeros(len(seq_lens) + pad_reqs + 1, dtype=torch.int32)
+    qsl[1:len(seq_lens) + 1] = torch.tensor(query_lens).cumsum(0)
+    qsl[len(seq_lens) + 1:] = num_actual
+    slots = []
+    for r, (c, q) in enumerate(zip(context_lens, query_lens)):
+        for pos in range(c, c + q):
+            slots.append(int(block_table[r, pos // block_size]) * block_size + pos % block_size)
+    slot_mapping = torch.tensor(slots + [-1] * pad_tokens, dtype=torch.int64)
+    seq_lens_t = torch.tensor(seq_lens + [0] * pad_reqs, dtype=torch.int32)
+    return PagedBatch(*(t.to(DEVICE) for t in (query, kv_cache, qsl, seq_lens_t, block_table, slot_mapping)),
+                      num_actual, head_dim ** -0.5)
+
+
+def reference_attention(b: PagedBatch) -> torch.Tensor:
+    """float64 on the CPU, one request at a time, K/V gathered through the block table."""
+    b = PagedBatch(*(t.cpu() for t in (b.query, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_table,
+                                       b.slot_mapping)), b.num_actual_tokens, b.scale)
+    num_q_heads, num_kv_heads = b.query.shape[1], b.kv_cache.shape[3]
+    block_size = b.kv_cache.shape[2]
+    out = torch.zeros(b.query.shape, dtype=torch.float64)
+    for r in range(b.seq_lens.shape[0]):
+        start, end, seq_len = int(b.query_start_loc[r]), int(b.query_start_loc[r + 1]), int(b.seq_lens[r])
+        if end == start:
+            continue
+        pos = torch.arange(seq_len)
+        blocks = b.block_table[r, pos // block_size].long()
+        k = b.kv_cache[0, blocks, pos % block_size].double()      # [S, Hkv, D]
+        v = b.kv_cache[1, blocks, pos % block_size].double()
+        for i in range(end - start):
+            q_pos = seq_len - (end - start) + i
+            for h in range(num_q_heads):
+                kh = h // (num_q_heads // num_kv_heads)
+                scores = k[: q_pos + 1, kh] @ b.query[start + i, h].double() * b.scale
+                out[start + i, h] = torch.softmax(scores, 0) @ v[: q_pos + 1, kh]
+    return out
+
+
+def run_attention(b: PagedBatch, num_splits: int | None = None) -> torch.Tensor:
+    out = torch.full_like(b.query, float("nan"))
+    unified_attention(b.query, b.kv_cache, out, b.query_start_loc, b.seq_lens, b.block_table,
+                      b.scale, num_splits=num_splits)
+    return out
+
+
+def check(b: PagedBatch, out: torch.Tensor, tol: float) -> None:
+    assert torch.isfinite(out).all(), "a row was left unwritten (NaN poison survived)"
+    assert (out[b.num_actual_tokens:] == 0).all(), "padded token rows must be zeroed"
+    ref = reference_attention(b)[: b.num_actual_tokens]
+    torch.testing.assert_close(out[: b.num_actual_tokens].cpu().double(), ref, atol=tol, rtol=tol)
+
+
+# --- KV write ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_writes_slots_and_skips_minus_one(dtype):
+    gen = torch.Generator().manual_seed(1)
+    num_tokens, heads, dim, block_size = 7, 3, 16, 4
+    key = torch.randn(num_tokens, heads, dim, generator=gen).to(dtype)
+    value = torch.randn(num_tokens, heads, dim, generator=gen).to(dtype)
+    cache = torch.full((2, 5, block_size, heads, dim), 7.0, dtype=dtype, device=DEVICE)
+    slots = torch.tensor([13, -1, 0, 19, 4, -1, 9])
+    write_kv(key.to(DEVICE), value.to(DEVICE), cache, slots.to(DEVICE))
+    expected = torch.full((2, 5, block_size, heads, dim), 7.0, dtype=dtype)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected[0, slot // block_size, slot % block_size] = key[t]
+            expected[1, slot // block_size, slot % block_size] = value[t]
+    assert torch.equal(cache.cpu(), expected)
+
+
+def test_write_kv_strided_inputs():
+    """key/value as views of a fused qkv projection (non-contiguous rows), as the model passes them."""
+    qkv = torch.randn(5, 4 + 2 + 2, 32, device=DEVICE)
+    key, value = qkv[:, 4:6], qkv[:, 6:8]
+    cache = torch.zeros(2, 3, 16, 2, 32, device=DEVICE)
+    slots = torch.arange(5, device=DEVICE) * 7
+    write_kv(key, value, cache, slots)
+    assert torch.equal(cache[0].view(-1, 2, 32)[slots], key)
+    assert torch.equal(cache[1].view(-1, 2, 32)[slots], value)
+
+
+# --- unified attention ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,block_size", [(2, 2, 16), (3, 1, 32), (8, 1, 16)])
+def test_decode(num_q_heads, num_kv_heads, block_size):
+    b = make_batch([1, 1, 1], [40, 5, 70], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                   head_dim=16, block_size=block_size)
+    check(b, run_attention(b, num_splits=1), 1e-5)
+
+
+def test_prefill_without_context():
+    b = make_batch([19, 6], [0, 0], num_q_heads=3, num_kv_heads=1, head_dim=32, block_size=16)
+    check(b, run_attention(b, num_splits=1), 1e-5)
+
+
+def test_chunked_prefill_with_cached_context():
+    b = make_batch([21, 3], [35, 16], num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=16)
+    check(b, run_attention(b, num_splits=1), 1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_mixed_batch_with_padding_in_one_launch(num_splits):
+    """Decode, prefill, chunked prefill and a 1-token-context request together, plus padded token
+    rows (slot -1) and padded requests (query len 0, seq len 0), as a captured graph sees them."""
+    b = make_batch([1, 9, 4, 1], [50, 0, 20, 0], num_q_heads=4, num_kv_heads=2, head_dim=16,
+                   block_size=16, pad_tokens=3, pad_reqs=2, seed=3)
+    check(b, run_attention(b, num_splits=num_splits), 1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [2, 4])
+def test_split_kv_decode_matches_single_pass(num_splits):
+    """More splits than some requests have KV tiles: empty splits must merge as no-ops."""
+    b = make_batch([1, 1], [100, 3], num_q_heads=8, num_kv_heads=1, head_dim=16, block_size=32,
+                   pad_tokens=1, pad_reqs=1, seed=4)
+    split, single = run_attention(b, num_splits=num_splits), run_attention(b, num_splits=1)
+    check(b, split, 1e-5)
+    torch.testing.assert_close(split, single, atol=1e-5, rtol=1e-5)
+
+
+def test_head_dim_not_power_of_two():
+    b = make_batch([3, 1], [10, 20], num_q_heads=2, num_kv_heads=1, head_dim=24, block_size=16, seed=5)
+    check(b, run_attention(b, num_splits=1), 1e-5)
+
+
+def test_bfloat16_cache():
+    b = make_batch([5, 1], [30, 44], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
+                   dtype=torch.bfloat16, pad_tokens=2, seed=6)
+    out = run_attention(b, num_splits=2)
+    assert out.dtype == torch.bfloat16
+    check(b, out.float(), 3e-2)
+
+
+def test_write_then_attend_sees_this_steps_tokens():
+    """The backend order: write K/V for the new tokens, then attend over the cache incl. them."""
+    b = make_batch([4, 1], [12, 30], num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=16,
+                   pad_tokens=1, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    key = torch.randn(b.query.shape[0], 1, 16, generator=gen).to(DEVICE)
+    value = torch.randn(b.query.shape[0], 1, 16, generator=gen).to(DEVICE)
+    write_kv(key, value, b.kv_cache, b.slot_mapping)
+    k_view = b.kv_cache[0].view(-1, 1, 16)
+    assert torch.equal(k_view[b.slot_mapping[: b.num_actual_tokens]], key[: b.num_actual_tokens])
+    check(b, run_attention(b), 1e-5)
+
+
+def test_no_cache_profile_path_is_causal_within_requests():
+    gen = torch.Generator().manual_seed(9)
+    qsl = torch.tensor([0, 5, 5, 8], dtype=torch.int32)
+    query, key, value = (torch.randn(10, h, 16, generator=gen) for h in (4, 2, 2))
+    out = torch.full_like(query, float("nan"))
+    causal_attention_no_cache(query, key, value, out, qsl, 0.25)
+    assert (out[8:] == 0).all()
+    for start, end in [(0, 5), (5, 8)]:
+        for i in range(start, end):
+            for h in range(4):
+                s = key[start:i + 1, h // 2] @ query[i, h] * 0.25
+                torch.testing.assert_close(out[i, h], torch.softmax(s, 0) @ value[start:i + 1, h // 2])
+
+
+@pytest.mark.parametrize("seed", [10, 11, 12])
+def test_random_mixed_batches(seed):
+    """Random query/context lengths, GQA ratio, block size, split count and padding."""
+    gen = torch.Generator().manual_seed(seed)
+    pick = lambda options: options[int(torch.randint(len(options), (1,), generator=gen))]  # noqa: E731
+    num_reqs = pick([1, 2, 3])
+    query_lens = [pick([1, 1, 2, 7, 17]) for _ in range(num_reqs)]
+    context_lens = [pick([0, 1, 15, 16, 33, 60]) for _ in range(num_reqs)]
+    num_kv_heads, group = pick([1, 2]), pick([1, 3, 8])
+    b = make_batch(query_lens, context_lens, num_q_heads=num_kv_heads * group, num_kv_heads=num_kv_heads,
+                   head_dim=16, block_size=pick([16, 32]), pad_tokens=pick([0, 2]), pad_reqs=pick([0, 1]),
+                   seed=seed)
+    check(b, run_attention(b, num_splits=pick([1, 2, 5])), 1e-5)
+
+
+def test_backend_forward_writes_then_attends_and_profiles_without_cache():
+    from types import SimpleNamespace
+
+    from attention.backends import get_attention_backend
+    from attention.backends.base import AttentionCGSupport
+    from attention.metadata import CommonAttentionMetadata
+
+    backend = get_attention_backend("triton")
+    assert backend.name == "triton" and backend.cudagraph_support is AttentionCGSupport.ALWAYS
+    b = make_batch([3, 1], [5, 20], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
+                   pad_tokens=1, pad_reqs=1, seed=13)
+    qsl_cpu, seq_lens_cpu = b.query_start_loc.cpu(), b.seq_lens.cpu()
+    common = CommonAttentionMetadata(
+        query_start_loc=b.query_start_loc, query_start_loc_cpu=qsl_cpu, seq_lens=b.seq_lens,
+        seq_lens_cpu=seq_lens_cpu, num_computed_tokens_cpu=seq_lens_cpu - qsl_cpu.diff(),
+        block_table=b.block_table, slot_mapping=b.slot_mapping,
+        token_request_index=torch.tensor([0, 0, 0, 1, -1], dtype=torch.int32, device=DEVICE),
+        num_reqs=3, num_actual_tokens=4, max_query_len=3, max_seq_len=21, uniform_decode=False)
+    metadata = backend.build_metadata(common)
+    layer = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=16, scale=b.scale)
+    gen = torch.Generator().manual_seed(14)
+    key, value = (torch.randn(5, 2, 16, generator=gen).to(DEVICE) for _ in range(2))
+    out = torch.full_like(b.query, float("nan"))
+    backend.forward(layer, b.query, key, value, out, b.kv_cache, metadata)
+    assert torch.equal(b.kv_cache[1].view(-1, 2, 16)[b.slot_mapping[:4]], value[:4])
+    check(b, out, 1e-5)
+
+    out.fill_(float("nan"))
+    backend.forward(layer, b.query, key, value, out, None, metadata)
+    expected = torch.full_like(out, float("nan"))
+    causal_attention_no_cache(b.query, key, value, expected, qsl_cpu, b.scale)
+    assert torch.isfinite(out).all() and torch.equal(out, expected)
