@@ -178,8 +178,12 @@ class ModelRunner:
                 for mode, desc in largest.items():
                     self._capture_one(mode, desc)
 
+        def release() -> None:  # drop the throwaway graphs before the measurement empties the cache
+            self._build_graph_wrappers(None)
+            self.kv_caches = None
+
         try:
-            self.graph_reserve_bytes = measure_graph_memory(capture_largest)
+            self.graph_reserve_bytes = measure_graph_memory(capture_largest, release=release)
         finally:
             self.kv_caches = None
             self._build_graph_wrappers(graph_pool())

@@ -1,0 +1,203 @@
+"""Breakable stream capture: PIECEWISE graphs without torch.compile.
+
+One capture drives the whole forward. Ops decorated with `@break_point` (attention) end
+the current graph segment, run eagerly on the capture stream, are recorded, and a new
+segment starts in the same memory pool. `BreakableGraph.replay()` then runs segment 0,
+break op 0, segment 1, ... in order; the break ops run eagerly, so they read the forward
+context that is current at *replay* (this step's metadata, any batch composition).
+
+Contract of a break op: `op(*args, out=tensor)` or `op(*args, tensor_out)`; it writes its
+result into the caller-provided `out` and returns None (or `out`). The caller allocates
+`out` inside a segment, so it lives in the pool at an address the next segment reads; a
+fresh result tensor would be allocated outside the pool and move each replay, so it is
+rejected at capture. Its tensor arguments must be activations produced inside the graph
+(or buffers that outlive it); per-step state (KV cache, metadata) is read from the forward
+context, never passed in. Capture runs break ops on not-yet-computed inputs: the capture
+batch must be inert (slot_mapping -1), which the runner's dummy batches are.
+
+The graph primitive is a factory (`CUDA_GRAPHS` by default) so CPU tests can inject a fake.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Protocol
+
+import torch
+
+
+class GraphLike(Protocol):
+    def capture_begin(self, pool: Any = None) -> None: ...
+    def capture_end(self) -> None: ...
+    def replay(self) -> None: ...
+
+
+class CudaGraphFactory:
+    """The real primitive: a `torch.cuda.CUDAGraph`, captured on a side stream."""
+
+    uses_cuda_streams = True
+
+    def __call__(self) -> GraphLike:
+        return torch.cuda.CUDAGraph()
+
+
+CUDA_GRAPHS = CudaGraphFactory()
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+@contextmanager
+def capture_stream(graph_factory: Callable[[], GraphLike]) -> Iterator[None]:
+    """Run warm-up and capture on one side stream (capture is illegal on the legacy default
+    stream), synchronized on both ends, as `torch.cuda.graph` does. Reusing one stream keeps
+    its lazily created per-stream state (cuBLAS workspace) out of the graph pool: the
+    warm-up creates it. A no-op for fakes without `uses_cuda_streams`."""
+    if not getattr(graph_factory, "uses_cuda_streams", False):
+        yield
+        return
+    device = torch.cuda.current_device()
+    stream = _side_streams.get(device) or _side_streams.setdefault(device, torch.cuda.Stream())
+    torch.cuda.synchronize()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        torch.cuda.synchronize()
+
+
+def _end_capture(graph: GraphLike) -> None:
+    with warnings.catch_warnings():  # two adjacent break points leave a legitimately empty segment
+        warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
+        graph.capture_end()
+
+
+def _alias(value: Any) -> Any:
+    """A CUDA tensor that points at `value`'s memory without owning it, so recorded break
+    inputs do not pin pool blocks (later segments and graphs reuse them, in replay order;
+    the pool keeps the memory mapped). CPU tensors (tests with fake graphs) are kept as is."""
+    if isinstance(value, torch.Tensor) and value.is_cuda:
+        storage = value.untyped_storage()
+        weak = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), value.device, storage.nbytes())
+        return torch.empty(0, dtype=value.dtype, device=value.device).set_(
+            weak, value.storage_offset(), value.size(), value.stride())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_alias(v) for v in value)
+    return value
+
+
+@dataclass(frozen=True)
+class BreakRecord:
+    op: Callable[..., Any]
+    args: tuple
+    kwargs: dict
+
+
+class BreakableGraph:
+    """Captured segments and the break ops between them: len(segments) == len(breaks) + 1."""
+
+    def __init__(self, segments: list[GraphLike], breaks: list[BreakRecord]) -> None:
+        if len(segments) != len(breaks) + 1:
+            raise ValueError(f"{len(segments)} segments for {len(breaks)} breaks")
+        self.segments, self.breaks = segments, breaks
+
+    def replay(self) -> None:
+        for segment, record in zip(self.segments, self.breaks):
+            segment.replay()
+            record.op(*record.args, **record.kwargs)
+        self.segments[-1].replay()
+
+    def break_inputs(self) -> list[tuple[tuple, dict]]:
+        """(args, kwargs) of each break, for the debug address check."""
+        return [(r.args, r.kwargs) for r in self.breaks]
+
+
+_state = threading.local()
+
+
+class BreakableCapture:
+    """Context manager: capture everything run inside it as a `BreakableGraph` (`.graph`).
+
+    Only one per thread at a time (graphs cannot nest). Break points act only inside one, so
+    a FULL capture (no BreakableCapture) records attention like any other op."""
+
+    def __init__(self, pool: Any, graph_factory: Callable[[], GraphLike] = CUDA_GRAPHS) -> None:
+        self.pool, self.graph_factory = pool, graph_factory
+        self._segments: list[GraphLike] = []
+        self._breaks: list[BreakRecord] = []
+        self._open: GraphLike | None = None
+        self.graph: BreakableGraph | None = None
+
+    def _begin_segment(self) -> None:
+        graph = self.graph_factory()
+        graph.capture_begin(pool=self.pool)
+        self._open = graph
+        self._segments.append(graph)
+
+    def _end_segment(self) -> None:
+        graph, self._open = self._open, None
+        _end_capture(graph)
+
+    def __enter__(self) -> "BreakableCapture":
+        if getattr(_state, "capture", None) is not None:
+            raise RuntimeError("a BreakableCapture is already active on this thread; captures cannot nest")
+        _state.capture = self
+        try:
+            self._begin_segment()
+        except BaseException:
+            _state.capture = None
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        _state.capture = None
+        if self._open is None:  # failed inside a break op: no segment is open
+            return
+        try:
+            self._end_segment()
+        except Exception:
+            if exc_type is None:
+                raise  # otherwise the original error is the one worth seeing
+            return
+        if exc_type is None:
+            self.graph = BreakableGraph(self._segments, self._breaks)
+
+    def run_break(self, op: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """End the segment, run `op` eagerly, check it wrote into `out`, record it, resume."""
+        name = getattr(op, "__qualname__", repr(op))
+        out = kwargs.get("out")
+        if out is None and args and isinstance(args[-1], torch.Tensor):
+            out = args[-1]
+        if not isinstance(out, torch.Tensor):
+            raise RuntimeError(f"break op {name} has no caller-provided out buffer "
+                               f"(a kwarg `out` or a last positional tensor)")
+        self._end_segment()
+        result = op(*args, **kwargs)
+        if result is not None and not (isinstance(result, torch.Tensor) and result.data_ptr() == out.data_ptr()):
+            what = "a fresh tensor" if isinstance(result, torch.Tensor) else f"a {type(result).__name__}"
+            raise RuntimeError(f"break op {name} returned {what}; write into the caller-provided "
+                               f"out buffer and return None (or out)")
+        self._breaks.append(BreakRecord(op, _alias(args), {k: _alias(v) for k, v in kwargs.items()}))
+        self._begin_segment()
+        return result
+
+
+def active_capture() -> BreakableCapture | None:
+    return getattr(_state, "capture", None)
+
+
+def break_point(op: Callable[..., Any]) -> Callable[..., Any]:
+    """Make `op` a PIECEWISE break point; outside a BreakableCapture it is just `op`."""
+
+    @functools.wraps(op)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        capture = getattr(_state, "capture", None)
+        if capture is None:
+            return op(*args, **kwargs)
+        return capture.run_break(op, args, kwargs)
+
+    wrapper.__wrapped_op__ = op
+    return wrapper

@@ -1,0 +1,156 @@
+"""CUDAGraphWrapper: capture-on-first-use and replay of one runtime mode around a callable.
+
+The runner nests them: FULL wraps PIECEWISE wraps the model forward. Each wrapper acts
+only when the forward context's runtime_mode is its own and a batch descriptor is set;
+otherwise it passes the call through. So under a FULL capture the inner PIECEWISE wrapper
+is transparent and no BreakableCapture is open: attention's break points do not break and
+attention is recorded into the one FULL graph. Under PIECEWISE the FULL wrapper passes
+through and the PIECEWISE wrapper opens the breakable capture.
+
+Graphs are captured only inside `CapturePhase.capturing()`; a descriptor seen later without
+a graph is a runner bug (the dispatcher only returns captured keys), so it raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from attention.forward_context import get_forward_context
+from configs.graph_mode import CUDAGraphMode
+from runner.cudagraph.addresses import AddressRecorder, debug_addresses_enabled
+from runner.cudagraph.breakable import CUDA_GRAPHS, BreakableCapture, GraphLike, _end_capture, capture_stream
+from runner.cudagraph.capture import CapturePhase
+from runner.cudagraph.dispatcher import BatchDescriptor
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """Tensors of an output (tensor, list/tuple, dict, dataclass such as IntermediateTensors) in order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in _tensors(getattr(obj, f.name))]
+    return []
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(fn, v) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(fn, v) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _map_tensors(fn, getattr(obj, f.name))
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj
+
+
+@dataclass
+class _Entry:
+    graph: Any
+    """A GraphLike (FULL) or a BreakableGraph (PIECEWISE)."""
+    output: Any
+    """FULL: persistent buffers the graph copies its result into; PIECEWISE: the last segment's
+    output, allocated in the pool and kept alive so no later capture reuses its memory."""
+    recorder: AddressRecorder | None
+
+
+class CUDAGraphWrapper:
+    """One graph per BatchDescriptor for `runnable`, in one runtime mode (FULL or PIECEWISE)."""
+
+    def __init__(self, runnable: Callable[..., Any], runtime_mode: CUDAGraphMode, pool: Any,
+                 capture_phase: CapturePhase, address_check: bool = False,
+                 graph_factory: Callable[[], GraphLike] = CUDA_GRAPHS) -> None:
+        if runtime_mode not in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE):
+            raise ValueError(f"a graph wrapper runs FULL or PIECEWISE graphs, not {runtime_mode.name}")
+        self.runnable, self.runtime_mode, self.pool = runnable, runtime_mode, pool
+        self.capture_phase, self.graph_factory = capture_phase, graph_factory
+        self.address_check = debug_addresses_enabled(address_check)
+        self._entries: dict[BatchDescriptor, _Entry] = {}
+        self.num_replays = 0
+        """Calls served by replaying an already captured graph (the capturing call not counted)."""
+        self.replays_by_descriptor: Counter[BatchDescriptor] = Counter()
+
+    @property
+    def num_captured(self) -> int:
+        return len(self._entries)
+
+    def captured_descriptors(self) -> list[BatchDescriptor]:
+        return list(self._entries)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        context = get_forward_context()
+        desc = context.batch_descriptor
+        if context.runtime_mode != self.runtime_mode or desc is None:
+            return self.runnable(*args, **kwargs)
+        entry = self._entries.get(desc)
+        if entry is None:
+            if not self.capture_phase.active:
+                raise RuntimeError(f"{self.runtime_mode.name} graph for {desc} requested outside the capture "
+                                   f"phase: capture outside the capture phase is not allowed (was it dispatched "
+                                   f"before capture_cudagraphs()?)")
+            entry = self._entries[desc] = self._capture(context, args, kwargs)
+            entry.graph.replay()  # the capture ran nothing: compute this call's result
+            return entry.output
+        if entry.recorder is not None:
+            entry.recorder.check(**self._addressed(entry.graph, context, args, kwargs))
+        entry.graph.replay()
+        self.num_replays += 1
+        self.replays_by_descriptor[desc] += 1
+        return entry.output
+
+    def _addressed(self, graph: Any, context: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """What a replay must see at the captured addresses. FULL bakes in the metadata too;
+        PIECEWISE reads metadata eagerly, but replays its break ops on the recorded inputs."""
+        if self.runtime_mode == CUDAGraphMode.FULL:
+            return {"args": args, "kwargs": kwargs, "attn_metadata": context.attn_metadata}
+        return {"args": args, "kwargs": kwargs, "breaks": graph.break_inputs()}
+
+    def _capture(self, context: Any, args: tuple, kwargs: dict) -> _Entry:
+        """Warm up eagerly once (lazy init, Triton compiles and autotuning cannot run inside a
+        capture), then capture, both on the capture stream."""
+        with capture_stream(self.graph_factory):
+            warm = self.runnable(*args, **kwargs)
+            if self.runtime_mode == CUDAGraphMode.FULL:
+                output = _map_tensors(torch.empty_like, warm)
+                del warm
+                graph = self._capture_full(output, args, kwargs)
+            else:
+                del warm
+                with BreakableCapture(self.pool, self.graph_factory) as capture:
+                    output = self.runnable(*args, **kwargs)
+                graph = capture.graph
+        recorder = None
+        if self.address_check:
+            recorder = AddressRecorder(f"{self.runtime_mode.name} graph replay")
+            recorder.record(**self._addressed(graph, context, args, kwargs))
+        return _Entry(graph, output, recorder)
+
+    def _capture_full(self, output: Any, args: tuple, kwargs: dict) -> GraphLike:
+        """One graph for the whole forward; its result is copied, inside the graph, into
+        `output` (allocated outside the pool), so the pool's blocks all return to the pool
+        for the next capture while the result stays at a fixed address."""
+        graph = self.graph_factory()
+        graph.capture_begin(pool=self.pool)
+        try:
+            result = self.runnable(*args, **kwargs)
+            for dst, src in zip(_tensors(output), _tensors(result), strict=True):
+                dst.copy_(src)
+            del result
+        except BaseException:
+            try:
+                _end_capture(graph)
+            except Exception:
+                pass  # the capture is already broken; the original error says why
+            raise
+        _end_capture(graph)
+        return graph

@@ -1,0 +1,327 @@
+"""Breakable capture, the graph wrappers and the capture phase, on a CPU with a FAKE graph.
+
+`FakeGraphForTests` stands in for torch.cuda.CUDAGraph: while it captures, the toy ops'
+"kernels" (thunks handed to `launch`) are recorded, not run, as a stream capture records
+kernels without running them; `replay()` runs the recorded thunks. That makes the replay
+order and the values checkable without a GPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from attention.forward_context import ForwardContext, get_forward_context, set_forward_context
+from configs.graph_mode import CUDAGraphMode as M
+from runner.cudagraph import (AddressMismatchError, BatchDescriptor as BD, BreakableCapture, CapturePhase,
+                              CUDAGraphWrapper, active_capture, break_point, capture_all, measure_graph_memory)
+
+EVENTS: list[tuple] = []
+
+
+class FakeGraphForTests:
+    capturing: "FakeGraphForTests | None" = None
+    count = 0
+
+    def __init__(self) -> None:
+        FakeGraphForTests.count += 1
+        self.id, self.thunks, self.pool = FakeGraphForTests.count, [], "unset"
+
+    def capture_begin(self, pool=None) -> None:
+        if FakeGraphForTests.capturing is not None:
+            raise RuntimeError("fake graphs cannot nest either")
+        self.pool, FakeGraphForTests.capturing = pool, self
+        self.mode = _RecordCopies()
+        self.mode.__enter__()
+        EVENTS.append(("begin", self.id))
+
+    def capture_end(self) -> None:
+        FakeGraphForTests.capturing = None
+        self.mode.__exit__(None, None, None)
+        EVENTS.append(("end", self.id))
+
+    def replay(self) -> None:
+        EVENTS.append(("replay", self.id))
+        for thunk in self.thunks:
+            thunk()
+
+
+class _RecordCopies(TorchFunctionMode):
+    """While a fake graph captures, `Tensor.copy_` (the FULL wrapper's copy into its persistent
+    output) is recorded into it rather than run, like every other captured kernel."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        graph = FakeGraphForTests.capturing
+        if func is torch.Tensor.copy_ and graph is not None:
+            graph.thunks.append(lambda: func(*args, **kwargs))
+            return args[0]
+        return func(*args, **kwargs)
+
+
+def launch(thunk) -> None:
+    """A toy 'kernel': recorded into the fake graph being captured, else run now."""
+    graph = FakeGraphForTests.capturing
+    graph.thunks.append(thunk) if graph is not None else thunk()
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    EVENTS.clear()
+    FakeGraphForTests.capturing = None
+    yield
+    assert active_capture() is None and FakeGraphForTests.capturing is None
+
+
+SCALE = {"value": torch.tensor(2.0)}  # a global "context" the break op reads when it runs
+
+
+def _scale() -> torch.Tensor:
+    try:
+        return get_forward_context().attn_metadata.scale
+    except RuntimeError:  # no forward context: the breakable-capture tests
+        return SCALE["value"]
+
+
+@break_point
+def toy_attention(x: torch.Tensor, *, out: torch.Tensor) -> None:
+    EVENTS.append(("attention",))
+    scale = _scale()
+    launch(lambda: torch.mul(x, scale, out=out))
+
+
+def toy_forward(x: torch.Tensor, layers: int = 1) -> torch.Tensor:
+    """(x * 3) -> attention (* scale) -> (+ 1), `layers` times; every op writes a buffer
+    allocated here, by Python, as a captured graph's allocations happen at capture."""
+    for _ in range(layers):
+        h = torch.empty_like(x)
+        launch(lambda x=x, h=h: torch.mul(x, 3.0, out=h))
+        a = torch.empty_like(h)
+        toy_attention(h, out=a)
+        x = torch.empty_like(a)
+        launch(lambda a=a, y=x: torch.add(a, 1.0, out=y))
+    return x
+
+
+def expected(x, scale, layers=1):
+    for _ in range(layers):
+        x = x * 3.0 * scale + 1.0
+    return x
+
+
+# ---- breakable capture ---------------------------------------------------------------------
+def test_segments_breaks_and_replay_order():
+    x = torch.randn(3, 4)
+    with BreakableCapture(pool="pool-1", graph_factory=FakeGraphForTests) as capture:
+        y = toy_forward(x, layers=2)
+    graph = capture.graph
+    assert len(graph.segments) == 3 and len(graph.breaks) == 2  # segments = breaks + 1
+    assert {s.pool for s in graph.segments} == {"pool-1"}  # one shared pool
+    ids = [s.id for s in graph.segments]
+    assert EVENTS == [("begin", ids[0]), ("end", ids[0]), ("attention",), ("begin", ids[1]), ("end", ids[1]),
+                      ("attention",), ("begin", ids[2]), ("end", ids[2])]  # break ops ran eagerly at capture
+    EVENTS.clear()
+    x.copy_(torch.randn(3, 4))  # new input into the static buffer, new context value
+    SCALE["value"] = torch.tensor(5.0)
+    try:
+        graph.replay()
+    finally:
+        SCALE["value"] = torch.tensor(2.0)
+    assert EVENTS == [("replay", ids[0]), ("attention",), ("replay", ids[1]), ("attention",), ("replay", ids[2])]
+    torch.testing.assert_close(y, expected(x, 5.0, layers=2))  # break ops read the CURRENT context
+
+
+def test_nesting_raises_and_state_recovers():
+    with BreakableCapture(None, FakeGraphForTests):
+        with pytest.raises(RuntimeError, match="already active"):
+            with BreakableCapture(None, FakeGraphForTests):
+                pass
+    with BreakableCapture(None, FakeGraphForTests) as capture:  # usable again
+        toy_forward(torch.ones(2, 2))
+    assert len(capture.graph.segments) == 2
+
+
+def test_fresh_tensor_output_raises_at_capture():
+    @break_point
+    def bad_attention(x, *, out):
+        return x * 2
+
+    with pytest.raises(RuntimeError, match="bad_attention returned a fresh tensor"):
+        with BreakableCapture(None, FakeGraphForTests):
+            bad_attention(torch.ones(2), out=torch.empty(2))
+    assert torch.equal(bad_attention(torch.ones(2), out=torch.empty(2)), torch.full((2,), 2.0))  # eager: fine
+
+
+def test_out_positional_and_returning_out_are_accepted():
+    @break_point
+    def positional(x, out):
+        out.copy_(x)
+        return out
+
+    @break_point
+    def no_out(x, scale):
+        return None
+
+    with BreakableCapture(None, FakeGraphForTests) as capture:
+        o = torch.empty(2)
+        assert positional(torch.ones(2), o) is o
+    assert len(capture.graph.breaks) == 1 and capture.graph.breaks[0].args[1] is o
+    with pytest.raises(RuntimeError, match="no caller-provided out"):
+        with BreakableCapture(None, FakeGraphForTests):
+            no_out(torch.ones(2), 3)
+
+
+def test_break_point_outside_capture_just_runs():
+    a = torch.empty(2)
+    assert toy_attention(torch.ones(2), out=a) is None
+    assert EVENTS == [("attention",)] and torch.equal(a, torch.full((2,), 2.0))
+
+
+def test_error_inside_capture_ends_the_segment():
+    with pytest.raises(ValueError, match="boom"):
+        with BreakableCapture(None, FakeGraphForTests):
+            raise ValueError("boom")
+    assert EVENTS[-1][0] == "end"
+
+
+# ---- the wrappers --------------------------------------------------------------------------
+@dataclass
+class ToyMetadata:
+    scale: torch.Tensor
+
+
+CALLS = {"forward": 0}
+
+
+def counted_forward(x: torch.Tensor) -> torch.Tensor:
+    CALLS["forward"] += 1
+    return toy_forward(x)
+
+
+def _context(mode, desc, scale=2.0, metadata=None):
+    return ForwardContext(metadata or ToyMetadata(torch.tensor(scale)), None, None, mode, desc)
+
+
+def _wrappers(address_check=False):
+    phase = CapturePhase()
+    piecewise = CUDAGraphWrapper(counted_forward, M.PIECEWISE, "pool", phase, address_check, FakeGraphForTests)
+    full = CUDAGraphWrapper(piecewise, M.FULL, "pool", phase, address_check, FakeGraphForTests)
+    return phase, piecewise, full
+
+
+def test_pass_through_when_mode_differs_or_no_descriptor():
+    phase, piecewise, full = _wrappers()
+    x = torch.ones(2, 3)
+    for ctx in (_context(M.NONE, None), _context(M.PIECEWISE, None), _context(M.NONE, BD(2, 0, False))):
+        with set_forward_context(ctx):
+            torch.testing.assert_close(full(x), expected(x, 2.0))
+    assert piecewise.num_captured == full.num_captured == 0 and EVENTS.count(("attention",)) == 3
+
+
+def test_piecewise_capture_in_phase_then_replay():
+    phase, piecewise, full = _wrappers()
+    x, desc = torch.randn(4, 3), BD(4, 0, False)
+    with phase.capturing(), set_forward_context(_context(M.PIECEWISE, desc)):
+        y = full(x)
+    torch.testing.assert_close(y, expected(x, 2.0))  # the capturing call returns real values
+    assert (piecewise.num_captured, full.num_captured, piecewise.num_replays) == (1, 0, 0)
+    assert CALLS["forward"] >= 2  # warm-up + capture
+    calls = CALLS["forward"]
+    for scale in (3.0, 0.5):
+        x.copy_(torch.randn(4, 3))
+        with set_forward_context(_context(M.PIECEWISE, desc, scale)):  # new metadata object each step
+            y2 = full(x)
+        assert y2 is y
+        torch.testing.assert_close(y2, expected(x, scale))
+    assert CALLS["forward"] == calls  # no Python forward: replayed
+    assert piecewise.num_replays == 2 and piecewise.replays_by_descriptor == {desc: 2}
+
+
+def test_full_capture_does_not_break_and_replays():
+    phase, piecewise, full = _wrappers()
+    x, desc = torch.randn(2, 3), BD(2, 2, True)
+    metadata = ToyMetadata(torch.tensor(2.0))
+    with phase.capturing(), set_forward_context(_context(M.FULL, desc, metadata=metadata)):
+        y = full(x)
+    torch.testing.assert_close(y, expected(x, 2.0))
+    assert (full.num_captured, piecewise.num_captured) == (1, 0)
+    begins = [e for e in EVENTS if e[0] == "begin"]
+    assert len(begins) == 1  # attention did not break the FULL capture
+    x.copy_(torch.randn(2, 3))
+    metadata.scale.fill_(4.0)  # FULL graphs read metadata at its captured address
+    with set_forward_context(_context(M.FULL, desc, metadata=metadata)):
+        y2 = full(x)
+    assert y2 is y and full.num_replays == 1 and full.replays_by_descriptor[desc] == 1
+    torch.testing.assert_close(y2, expected(x, 4.0))
+
+
+def test_capture_outside_phase_raises():
+    _, _, full = _wrappers()
+    with set_forward_context(_context(M.FULL, BD(2, 2, True))):
+        with pytest.raises(RuntimeError, match="capture outside the capture phase"):
+            full(torch.ones(2, 3))
+
+
+def test_address_check_catches_moved_kwarg_and_metadata():
+    phase = CapturePhase()
+    wrapper = CUDAGraphWrapper(lambda *, x: toy_forward(x), M.PIECEWISE, None, phase, True, FakeGraphForTests)
+    x, desc = torch.ones(2, 3), BD(2, 0, False)
+    with phase.capturing(), set_forward_context(_context(M.PIECEWISE, desc)):
+        wrapper(x=x)
+    with set_forward_context(_context(M.PIECEWISE, desc, 7.0)):
+        wrapper(x=x)  # same buffer, new metadata: fine for PIECEWISE
+        with pytest.raises(AddressMismatchError, match=r"kwargs\[x\]"):
+            wrapper(x=x.clone())
+    full_phase, _, full = _wrappers(address_check=True)
+    with full_phase.capturing(), set_forward_context(_context(M.FULL, BD(2, 2, True))):
+        full(x)
+    with set_forward_context(_context(M.FULL, BD(2, 2, True))):  # a new scale tensor: moved
+        with pytest.raises(AddressMismatchError, match=r"attn_metadata\.scale"):
+            full(x)
+
+
+def test_full_output_is_persistent_for_dataclass_outputs():
+    @dataclass
+    class Pair:
+        hidden: torch.Tensor
+        residual: torch.Tensor
+
+    phase = CapturePhase()
+    wrapper = CUDAGraphWrapper(lambda x: Pair(toy_forward(x), x * 1), M.FULL, None, phase, False, FakeGraphForTests)
+    x = torch.randn(2, 2)
+    with phase.capturing(), set_forward_context(_context(M.FULL, BD(2, 2, True))):
+        out = wrapper(x)
+    assert isinstance(out, Pair)
+    torch.testing.assert_close(out.hidden, expected(x, 2.0))
+
+
+# ---- capture phase -------------------------------------------------------------------------
+def test_capture_phase_freezes_gc_and_rejects_nesting():
+    phase = CapturePhase()
+    before = gc.get_freeze_count()
+    with phase.capturing():
+        assert phase.active and gc.get_freeze_count() > 0
+        with pytest.raises(RuntimeError):
+            with phase.capturing():
+                pass
+    assert not phase.active and gc.get_freeze_count() == before
+
+
+def test_capture_all_order_and_summary(caplog):
+    caplog.set_level(logging.INFO, logger="runner.cudagraph.capture")
+    seen = []
+    summary = capture_all([BD(8, 0, False), BD(4, 0, False)], seen.append, desc="test", estimate_bytes=2**20)
+    assert seen == [BD(8, 0, False), BD(4, 0, False)]
+    assert (summary.num_graphs, summary.pool_bytes) == (2, 0) and summary.seconds >= 0
+    assert len(caplog.records) == 1 and "captured 2 CUDA graphs" in caplog.records[0].getMessage()
+    assert "estimate 1.0 MiB" in caplog.records[0].getMessage()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
+def test_measure_graph_memory_is_zero_on_cpu():
+    assert measure_graph_memory(lambda pool: pytest.fail("must not capture on a CPU")) == 0
