@@ -144,15 +144,17 @@ def load_safetensors(model: LlamaForCausalLM, folder: Path) -> None:
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Random weights of the checkpoint's shapes (for benchmarks without weights): small normal
+    """Random weights of the checkpoint's shapes (for benchmarks without weights), drawn on the
+    model's own device (an 8B model's worth of CPU randn would take minutes): small normal
     values keep activations finite through many layers; norms start at one."""
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    generator = None
     for name, param in model.named_parameters():
+        if generator is None:
+            generator = torch.Generator(device=param.device).manual_seed(seed)
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         else:
-            values = torch.randn(param.shape, generator=generator, dtype=torch.float32) * 0.02
-            param.copy_(values)
+            param.normal_(0.0, 0.02, generator=generator)
 
 
 def build_model(spec: ModelSpec, folder: str | Path, *, device: torch.device, dtype: torch.dtype,

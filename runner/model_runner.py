@@ -18,7 +18,7 @@ from configs import CUDAGraphMode, EngineConfig, SamplingParams
 from models.hf_config import ModelSpec
 from models.llama import IntermediateTensors
 from models.loader import build_model
-from runner.cudagraph import (BatchDescriptor, CapturePhase, CUDAGraphWrapper, CudagraphDispatcher,
+from runner.cudagraph import (CUDA_GRAPHS, BatchDescriptor, CapturePhase, CUDAGraphWrapper, CudagraphDispatcher,
                               capture_all, default_capture_sizes, graph_pool, measure_graph_memory,
                               resolve_cudagraph_mode)
 from runner.input_batch import InputBatch
@@ -55,6 +55,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] | None = None
         self.cuda_graph_ready = False
         self.capture_phase = CapturePhase()
+        self.graph_factory = CUDA_GRAPHS
+        """What a graph is; CPU tests of the capture state machine swap in a fake."""
         self.model = None
 
     # ---- start-up -------------------------------------------------------------------------
@@ -81,9 +83,10 @@ class ModelRunner:
         self.piecewise = self.full = None
         if self.cudagraph_mode.has_piecewise():
             forward = self.piecewise = CUDAGraphWrapper(forward, CUDAGraphMode.PIECEWISE, pool,
-                                                        self.capture_phase, debug)
+                                                        self.capture_phase, debug, self.graph_factory)
         if self.cudagraph_mode.has_full():
-            forward = self.full = CUDAGraphWrapper(forward, CUDAGraphMode.FULL, pool, self.capture_phase, debug)
+            forward = self.full = CUDAGraphWrapper(forward, CUDAGraphMode.FULL, pool, self.capture_phase, debug,
+                                                   self.graph_factory)
         self.forward = forward
 
     def intermediate_view(self, num_tokens: int) -> IntermediateTensors | None:

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Everything a GPU session checks, in one call on the device machine:
+#   bash scripts/gpu_suite.sh [tests|bench|pp|all]
+# tests: the `cuda`-marked tests plus the Triton kernel tests compiled for the GPU;
+# bench: attention bandwidth, decode latency per graph mode vs HF and the memory floor,
+#        offline throughput, address-check cost; pp: the two-GPU pipeline tests.
+# Logs go to $OUT/suite.log, figures to $OUT/*.json and $OUT/*.png; a short table comes last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_suite}
+mkdir -p "$OUT"
+STAGE=${1:-all}
+if ! python3 -c "import pydantic" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+unset TRITON_INTERPRET
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/suite.log"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/suite.log"
+
+SUMMARY=()
+step() {  # step NAME SECONDS CMD...: run with a time limit, append its log, remember how it went
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS
+  echo "===== $name: $*" >> "$OUT/suite.log"
+  timeout "$limit" "$@" > "$OUT/$name.tmp" 2>&1
+  local rc=$?
+  cat "$OUT/$name.tmp" >> "$OUT/suite.log"
+  tail -n 30 "$OUT/$name.tmp"
+  rm -f "$OUT/$name.tmp"
+  SUMMARY+=("$(printf '| %-12s | rc=%-3s | %4ss |' "$name" "$rc" "$((SECONDS - start))")")
+}
+
+if [[ $STAGE == tests || $STAGE == all ]]; then
+  step cuda-tests 300 python3 -m pytest -q -p no:cacheprovider -m cuda -rA -s tests \
+    --deselect tests/test_pipeline.py
+  step triton-gpu 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
+fi
+if [[ $STAGE == bench || $STAGE == all ]]; then
+  step attention 90 python3 scripts/bench_attention.py --json "$OUT/attention.json"
+  step decode 330 python3 scripts/bench_decode.py --json "$OUT/decode.json" --plot "$OUT/decode.png"
+  step throughput 150 python3 scripts/bench_throughput.py --json "$OUT/throughput.json"
+  step addresses 30 python3 scripts/bench_addresses.py
+fi
+if [[ $STAGE == pp ]]; then
+  step pp-tests 300 python3 -m pytest -q -p no:cacheprovider -m cuda -rA tests/test_pipeline.py
+fi
+echo
+echo "| step         | result | time  |"
+echo "|--------------|--------|-------|"
+printf '%s\n' "${SUMMARY[@]}"

@@ -1,0 +1,115 @@
+"""Issue 4: the warm-up contract as a state machine, on a CPU, with a clearly named fake graph.
+
+The real capture/replay is covered by the `cuda` tests; here the graph primitive is
+`NoOpGraphForTests` (it records that capture happened and replays nothing), and the mode
+resolution is forced to a graph mode, so every decision the runner makes around capture runs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from attention.backends.base import AttentionCGSupport
+from attention.backends.torch_sdpa import TorchSDPABackend
+from checkpoints import make_tiny_checkpoint
+from configs import CUDAGraphMode, EngineConfig
+from models import load_hf_config, model_spec
+from runner import model_runner as model_runner_module
+from runner.executor import start_model_runner
+from runner.model_runner import ModelRunner
+
+
+class NoOpGraphForTests:
+    """Stands in for torch.cuda.CUDAGraph on a CPU: counts captures, replays nothing."""
+    captures = 0
+
+    def capture_begin(self, pool=None) -> None:
+        NoOpGraphForTests.captures += 1
+
+    def capture_end(self) -> None:
+        pass
+
+    def replay(self) -> None:
+        pass
+
+
+class KVRequiredBackend(TorchSDPABackend):
+    """Like a hybrid / linear-attention model: its decode path needs the KV cache, always."""
+    cudagraph_support = AttentionCGSupport.ALWAYS
+    calls_without_cache = 0
+
+    def forward(self, layer, query, key, value, out, kv_cache, metadata):
+        if kv_cache is None:
+            if metadata.uniform_decode:
+                raise AssertionError("decode without a KV cache")
+            KVRequiredBackend.calls_without_cache += 1
+        super().forward(layer, query, key, value, out, kv_cache, metadata)
+
+
+@pytest.fixture()
+def runner_factory(tmp_path, monkeypatch):
+    path, _ = make_tiny_checkpoint(tmp_path / "c", "llama_gqa", with_tokenizer=False)
+    spec = model_spec(load_hf_config(path))
+    monkeypatch.setattr(model_runner_module, "get_attention_backend", lambda name: KVRequiredBackend())
+
+    def make(mode: str) -> ModelRunner:
+        monkeypatch.setattr(model_runner_module, "resolve_cudagraph_mode", lambda requested, support, device: requested)
+        config = EngineConfig.from_kwargs(model=str(path), cudagraph_mode=mode, cudagraph_capture_sizes=[1, 2, 4, 8],
+                                          max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=32, device="cpu")
+        runner = ModelRunner(config, spec, str(path), torch.device("cpu"), torch.float32, 128)
+        runner.graph_factory = NoOpGraphForTests
+        return runner, config
+    return make
+
+
+@pytest.mark.parametrize("mode, expected_graphs", [
+    ("FULL_AND_PIECEWISE", 4 + 4),   # FULL uniform-decode keys 1,2,4,8 and PIECEWISE keys 1,2,4,8
+    ("FULL", 4 + 4),                 # FULL uniform-decode and FULL mixed keys
+    ("PIECEWISE", 4),
+    ("FULL_DECODE_ONLY", 4),
+])
+def test_profile_run_skips_capture_then_capture_sets_ready(runner_factory, caplog, mode, expected_graphs):
+    runner, config = runner_factory(mode)
+    NoOpGraphForTests.captures = 0
+    KVRequiredBackend.calls_without_cache = 0
+    runner.load_model()
+    with caplog.at_level(logging.INFO, logger="runner.model_runner"):
+        runner.profile_run()
+    assert "cudagraph capture skipped: no KV cache yet" in caplog.text
+    assert not runner.cuda_graph_ready and not runner.dispatcher.ready
+    assert NoOpGraphForTests.captures == 0 and KVRequiredBackend.calls_without_cache > 0
+    # Not ready: every dispatch decision is eager.
+    assert runner.dispatcher.dispatch(4, 4, True) == (CUDAGraphMode.NONE, None)
+    runner.initialize_kv_cache(32)
+    runner.capture_cudagraphs()
+    assert runner.cuda_graph_ready and runner.dispatcher.ready
+    captured = sum(w.num_captured for w in (runner.full, runner.piecewise) if w is not None)
+    assert captured == expected_graphs == runner.capture_summary.num_graphs
+    mode_now, desc = runner.dispatcher.dispatch(3, 3, True)
+    assert mode_now == CUDAGraphMode(mode).decode_mode() and desc.num_tokens == 4
+
+
+def test_capture_outside_the_capture_phase_raises(runner_factory):
+    runner, _ = runner_factory("PIECEWISE")
+    runner.load_model()
+    runner.initialize_kv_cache(32)
+    runner.dispatcher.mark_ready()
+    runner.cuda_graph_ready = True  # pretend: graphs "ready" but never captured
+    from runner.scheduler import ScheduledRequest, SchedulerOutput
+    from configs import SamplingParams
+    sched = SchedulerOutput([ScheduledRequest("r", [5, 6, 7], 0, [0], True, SamplingParams(temperature=0), 0)],
+                            3, [], [])
+    with pytest.raises(RuntimeError, match="outside the capture phase"):
+        runner.execute(sched)
+
+
+def test_start_up_sequence_on_cpu_leaves_graphs_off(runner_factory, tmp_path):
+    """The real CPU path: mode resolves to NONE, start-up completes, nothing is captured."""
+    runner, config = runner_factory("FULL_AND_PIECEWISE")
+    runner.cudagraph_mode = CUDAGraphMode.NONE
+    runner.dispatcher.mode = CUDAGraphMode.NONE
+    blocks = start_model_runner(runner, config, agree=lambda n: n)
+    assert blocks == 32 and not runner.cuda_graph_ready
