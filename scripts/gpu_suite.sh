@@ -39,7 +39,7 @@ if [[ $STAGE == tests || $STAGE == all ]]; then
 fi
 if [[ $STAGE == bench || $STAGE == all ]]; then
   step attention 90 python3 scripts/bench_attention.py --json "$OUT/attention.json"
-  step decode 330 python3 scripts/bench_decode.py --json "$OUT/decode.json" --plot "$OUT/decode.png"
+  step decode 330 python3 scripts/bench_decode.py --warmup 3 --steps 15 --hf-max-batch 32 --json "$OUT/decode.json" --plot "$OUT/decode.png"
   step throughput 150 python3 scripts/bench_throughput.py --json "$OUT/throughput.json"
   step addresses 30 python3 scripts/bench_addresses.py
 fi

@@ -1,0 +1,112 @@
+"""Issue 8: the benchmark scripts run on a CPU, and their model shapes load as the engine and HF read them.
+
+The GPU figures themselves come from the device machine (scripts/bench_decode.py); here we make
+sure the scripts' code paths work and the shapes are the models they claim to be, without weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from models import model_spec
+from models.layers import rope_inverse_frequencies
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+import bench_decode  # noqa: E402
+import bench_throughput  # noqa: E402
+from model_shapes import SHAPES, kv_bytes_per_token, parameter_bytes, write_config  # noqa: E402
+
+
+def test_throughput_cpu_small_runs_and_reports_positive_rates(tmp_path, capsys):
+    out = tmp_path / "throughput.json"
+    result = bench_throughput.main(["--cpu-small", "--json", str(out)])
+    assert result["resolved_mode"] == "NONE" and result["device"] == "cpu"
+    assert result["num_seqs"] == 16 and result["num_layers"] == 4
+    prompts, params = bench_throughput.make_workload(16, 16, 64, 64, seed=0)
+    assert result["input_tokens"] == sum(len(p) for p in prompts)
+    assert result["output_tokens"] == sum(p.max_tokens for p in params)  # ignore_eos: every request runs out
+    assert result["seconds"] > 0 and result["output_tok_s"] > 0
+    assert result["total_tok_s"] > result["output_tok_s"]
+    assert json.loads(out.read_text()) == result
+    assert "output" in capsys.readouterr().out
+
+
+def test_throughput_workload_follows_nano_vllm():
+    """nano-vllm: random.seed(0); prompts of randint(100, 1024) ids in [0, 10000], then max_tokens."""
+    import random
+    prompts, params = bench_throughput.make_workload(256, 100, 1024, 1024, seed=0)
+    random.seed(0)
+    expected = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
+    assert prompts == expected
+    assert [p.max_tokens for p in params] == [random.randint(100, 1024) for _ in range(256)]
+    assert all(p.ignore_eos and p.temperature == 0.6 for p in params)
+
+
+def test_decode_bench_cpu_smoke(tmp_path):
+    """Every code path of bench_decode except CUDA events and graphs (modes resolve to NONE on a CPU)."""
+    out = tmp_path / "decode.json"
+    result = bench_decode.main(["--device", "cpu", "--dtype", "float32", "--num-layers", "2",
+                                "--shapes", "smollm2-135m", "--batch-sizes", "1", "2", "--modes", "NONE", "FULL",
+                                "--warmup", "1", "--steps", "2", "--no-plot", "--json", str(out)])
+    rows = result["rows"]
+    assert [(r["batch_size"], r["mode"]) for r in rows] == [(1, "NONE"), (2, "NONE"), (1, "FULL"), (2, "FULL")]
+    for r in rows:
+        assert r["ms_per_step"] > 0 and 0 <= r["host_ms"] < r["ms_per_step"]
+        assert r["floor_ms"] > 0 and r["hf_ms_per_step"] > 0 and r["speedup_vs_hf"] > 0
+        assert len(r["step_ms"]) == 2 and r["context"] > 128
+    assert [e["resolved_mode"] for e in result["engines"]] == ["NONE", "NONE"]
+    assert json.loads(out.read_text())["rows"] == rows
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_shape_loads_with_autoconfig_and_model_spec(tmp_path, name):
+    shape = SHAPES[name]
+    config = AutoConfig.from_pretrained(write_config(name, tmp_path / name))
+    spec = model_spec(config)
+    assert spec.architecture == shape["architectures"][0]
+    assert (spec.hidden_size, spec.num_layers, spec.num_heads, spec.num_kv_heads) == (
+        shape["hidden_size"], shape["num_hidden_layers"], shape["num_attention_heads"], shape["num_key_value_heads"])
+    assert spec.head_dim == shape["head_dim"]
+    assert (spec.intermediate_size, spec.vocab_size) == (shape["intermediate_size"], shape["vocab_size"])
+    assert spec.tie_word_embeddings == shape["tie_word_embeddings"]
+    assert spec.rms_norm_eps == shape["rms_norm_eps"]
+    assert spec.max_position_embeddings == shape["max_position_embeddings"]
+    assert spec.checkpoint_dtype == torch.bfloat16
+    assert spec.qk_norm == (name == "qwen3-0.6b")
+
+    # rope_theta (and llama3 scaling) must survive the round trip: a wrong theta changes nothing else.
+    inv_freq, scaling = rope_inverse_frequencies(config)
+    d, theta = spec.head_dim, shape["rope_theta"]
+    assert scaling == 1.0 and inv_freq.shape == (d // 2,)
+    assert inv_freq[1].item() == pytest.approx(theta ** (-2 / d), rel=1e-5)
+    lowest = theta ** (-(d - 2) / d)
+    if shape["rope_scaling"]:  # llama3: wavelengths beyond original_max / low_freq_factor are divided by factor
+        assert inv_freq[-1].item() == pytest.approx(lowest / shape["rope_scaling"]["factor"], rel=1e-5)
+    else:
+        assert inv_freq[-1].item() == pytest.approx(lowest, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_shape_byte_counts_match_hf_parameters(tmp_path, name):
+    """The floor's weight bytes are HF's parameter count less norms and an untied embedding table."""
+    config = AutoConfig.from_pretrained(write_config(name, tmp_path / name))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    streamed = sum(p.numel() for n, p in model.named_parameters() if "norm" not in n)
+    if not config.tie_word_embeddings:
+        streamed -= model.get_input_embeddings().weight.numel()
+    assert parameter_bytes(name) == 2 * streamed
+    shape = SHAPES[name]
+    expected_kv = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * 2
+    assert kv_bytes_per_token(name) == expected_kv
+    known = {"smollm2-135m": 135e6, "llama-3.2-1b": 1.24e9, "llama-3-8b": 8.03e9, "qwen3-0.6b": 0.6e9}
+    total = sum(p.numel() for p in model.parameters())
+    assert math.isclose(total, known[name], rel_tol=0.03)
