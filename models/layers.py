@@ -1,11 +1,35 @@
-"""Building blocks of the Llama family: RMSNorm, rotary embedding, gated MLP."""
+"""Building blocks of the Llama family: RMSNorm, rotary embedding, gated MLP.
+
+Each block has a torch `reference` (CPU, and the definition of correct) and, on CUDA, one
+fused Triton kernel (models/fused_kernels.py): fewer launches per layer is what a small
+model's graph replay is bound by. GRAPHRUNNER_FUSED_OPS=0 turns the kernels off (benchmarks
+measure before/after in one run)."""
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
+
+
+@functools.cache
+def _fused_kernels():
+    """The Triton kernels module, or None when Triton is missing or GRAPHRUNNER_FUSED_OPS=0."""
+    if os.environ.get("GRAPHRUNNER_FUSED_OPS", "1") == "0":
+        return None
+    try:
+        from models import fused_kernels
+    except ImportError:
+        return None
+    return fused_kernels
+
+
+def fused(x: torch.Tensor):
+    return _fused_kernels() if x.is_cuda else None
 
 
 class RMSNorm(nn.Module):
@@ -18,6 +42,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        kernels = fused(x)
+        if kernels is None:
+            return self.reference(x, residual)
+        shape = x.shape
+        result = kernels.add_rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps,
+                                      None if residual is None else residual.reshape(-1, shape[-1]))
+        if residual is None:
+            return result.view(shape)
+        return result[0].view(shape), result[1].view(shape)
+
+    def reference(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is not None:
             x = x + residual
             residual = x
@@ -75,6 +110,12 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [T, Hq, D], k [T, Hk, D] -> rotated copies."""
+        kernels = fused(q)
+        if kernels is None or self.rotary_dim != q.shape[-1]:
+            return self.reference(positions, q, k)
+        return kernels.rope(positions, q, k, self.cos_sin_cache)
+
+    def reference(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
@@ -96,5 +137,9 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        kernels = fused(gate_up)
+        if kernels is not None:
+            return self.down_proj(kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

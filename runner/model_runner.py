@@ -18,7 +18,7 @@ from configs import CUDAGraphMode, EngineConfig, SamplingParams
 from models.hf_config import ModelSpec
 from models.llama import IntermediateTensors
 from models.loader import build_model
-from runner.cudagraph import (CUDA_GRAPHS, BatchDescriptor, CapturePhase, CUDAGraphWrapper, CudagraphDispatcher,
+from runner.cudagraph import (CUDA_GRAPHS, BatchDescriptor, capture_stream, CapturePhase, CUDAGraphWrapper, CudagraphDispatcher,
                               capture_all, default_capture_sizes, graph_pool, measure_graph_memory,
                               resolve_cudagraph_mode)
 from runner.input_batch import InputBatch
@@ -181,12 +181,18 @@ class ModelRunner:
                 for mode, desc in largest.items():
                     self._capture_one(mode, desc)
 
+        def warm_up() -> None:  # the same shapes eagerly, on the capture stream, before measuring
+            self.initialize_kv_cache(1)
+            with torch.inference_mode(), capture_stream(self.graph_factory):
+                for desc in largest.values():
+                    self._capture_one(CUDAGraphMode.NONE, desc)
+
         def release() -> None:  # drop the throwaway graphs before the measurement empties the cache
             self._build_graph_wrappers(None)
             self.kv_caches = None
 
         try:
-            self.graph_reserve_bytes = measure_graph_memory(capture_largest, release=release)
+            self.graph_reserve_bytes = measure_graph_memory(capture_largest, release=release, warm_up=warm_up)
         finally:
             self.kv_caches = None
             self._build_graph_wrappers(graph_pool())
@@ -240,9 +246,15 @@ class ModelRunner:
         rows = [i for i, r in enumerate(reqs) if r.sample]
         if not rows:
             return ModelRunnerOutput({})
-        last_token = common.query_start_loc_cpu[torch.tensor(rows) + 1].long() - 1
-        logits = self.model.compute_logits(hidden[last_token.to(self.device)])
+        if common.uniform_decode:  # row i's one token is hidden row i: no gather, no index upload
+            logits = self.model.compute_logits(hidden[:len(reqs)])
+        else:
+            last_token = common.query_start_loc_cpu[torch.tensor(rows) + 1].long() - 1
+            logits = self.model.compute_logits(hidden[last_token.to(self.device)])
         params = [reqs[i].sampling_params for i in rows]
+        if all(p.temperature == 0.0 and p.logprobs is None for p in params):
+            token_ids = logits.argmax(dim=-1).tolist()  # the common greedy case: no sampling metadata
+            return ModelRunnerOutput({reqs[i].request_id: token_ids[row] for row, i in enumerate(rows)})
         generators = {}
         for row, i in enumerate(rows):
             seed = reqs[i].sampling_params.seed

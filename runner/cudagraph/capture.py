@@ -90,7 +90,8 @@ def capture_all(keys: Sequence[K], capture_one: Callable[[K], None], desc: str =
 
 
 def measure_graph_memory(capture_largest: Callable[[Any], None],
-                         release: Callable[[], None] | None = None) -> int:
+                         release: Callable[[], None] | None = None,
+                         warm_up: Callable[[], None] | None = None) -> int:
     """Bytes one capture of the largest graph(s) costs, measured on CUDA; 0 without CUDA.
 
     `capture_largest(pool)` captures into the given THROWAWAY pool. The cost is the larger of
@@ -98,9 +99,13 @@ def measure_graph_memory(capture_largest: Callable[[Any], None],
     used memory (also graph-exec objects the driver allocates outside torch). Afterwards
     `release()` (if given) must drop every reference to those graphs; then the pool's memory
     is returned to the device, so the KV cache can be sized with the reserve subtracted.
+    `warm_up()` (if given) runs first, outside the measurement: one-time costs such as Triton
+    module loads, a stream's cuBLAS workspace and eager activations are not graph memory.
     """
     if not torch.cuda.is_available():
         return 0
+    if warm_up is not None:
+        warm_up()
     gc.collect()
     torch.cuda.synchronize()
     reserved_before, free_before = torch.cuda.memory_reserved(), torch.cuda.mem_get_info()[0]

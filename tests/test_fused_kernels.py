@@ -1,0 +1,65 @@
+"""The fused Triton kernels (models/fused_kernels.py) against the torch reference of models/layers.py.
+
+Runs in Triton's interpreter on a CPU (scripts/test.sh sets TRITON_INTERPRET=1) and compiled on a GPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from models import layers
+
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+from models import fused_kernels  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def _close(a, b, dtype):
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(a.float(), b.float(), atol=tol, rtol=tol), (a.float() - b.float()).abs().max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 576, 100])
+def test_add_rms_norm(dtype, hidden):
+    g = torch.Generator().manual_seed(hidden)
+    x = torch.randn(7, hidden, generator=g).to(DEVICE, dtype)
+    residual = torch.randn(7, hidden, generator=g).to(DEVICE, dtype)
+    norm = layers.RMSNorm(hidden, 1e-6).to(DEVICE, dtype)
+    norm.weight.data = (torch.rand(hidden, generator=g) + 0.5).to(DEVICE, dtype)
+    _close(fused_kernels.add_rms_norm(x, norm.weight, 1e-6), norm.reference(x), dtype)
+    out, res = fused_kernels.add_rms_norm(x, norm.weight, 1e-6, residual)
+    ref_out, ref_res = norm.reference(x, residual)
+    _close(out, ref_out, dtype)
+    _close(res, ref_res, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    x = torch.randn(5, 2 * 1100, generator=torch.Generator().manual_seed(0)).to(DEVICE, dtype)
+    gate, up = x.chunk(2, dim=-1)
+    _close(fused_kernels.silu_and_mul(x), torch.nn.functional.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (9, 3, 64), (4, 4, 24)])
+def test_rope_on_strided_q_and_k(dtype, heads, kv_heads, head_dim):
+    from transformers import LlamaConfig
+    config = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         head_dim=head_dim, max_position_embeddings=64)
+    rotary = layers.RotaryEmbedding(config, 64).to(DEVICE)
+    g = torch.Generator().manual_seed(head_dim)
+    qkv = torch.randn(6, (heads + 2 * kv_heads) * head_dim, generator=g).to(DEVICE, dtype)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.reshape(6, heads, head_dim), k.reshape(6, kv_heads, head_dim)   # strided views, as in the model
+    positions = torch.tensor([0, 5, 1, 63, 7, 2], device=DEVICE)
+    got_q, got_k = fused_kernels.rope(positions, q, k, rotary.cos_sin_cache)
+    ref_q, ref_k = rotary.reference(positions, q, k)
+    _close(got_q, ref_q, dtype)
+    _close(got_k, ref_k, dtype)
