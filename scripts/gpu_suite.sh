@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Everything a GPU session checks, in one call on the device machine:
-#   bash scripts/gpu_suite.sh [tests|bench|pp|all]
+#   bash scripts/gpu_suite.sh [tests|bench|pp|final|all]
 # tests: the `cuda`-marked tests plus the Triton kernel tests compiled for the GPU;
 # bench: attention bandwidth, decode latency per graph mode vs HF and the memory floor,
-#        offline throughput, address-check cost; pp: the two-GPU pipeline tests.
+#        offline throughput, address-check cost; pp: the two-GPU pipeline tests;
+#        final: pp + tests + fused-kernel before/after decode latency + default-size capture.
 # Logs go to $OUT/suite.log, figures to $OUT/*.json and $OUT/*.png; a short table comes last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,8 +44,17 @@ if [[ $STAGE == bench || $STAGE == all ]]; then
   step throughput 150 python3 scripts/bench_throughput.py --json "$OUT/throughput.json"
   step addresses 30 python3 scripts/bench_addresses.py
 fi
-if [[ $STAGE == pp ]]; then
-  step pp-tests 300 python3 -m pytest -q -p no:cacheprovider -m cuda -rA tests/test_pipeline.py
+if [[ $STAGE == pp || $STAGE == final ]]; then
+  step pp-tests 240 python3 -m pytest -q -p no:cacheprovider -m cuda -rA tests/test_pipeline.py
+fi
+if [[ $STAGE == final ]]; then  # one call: GPU tests, the fusion before/after, default-size capture
+  step cuda-tests 240 python3 -m pytest -q -p no:cacheprovider -m cuda -rA -s tests --deselect tests/test_pipeline.py
+  step fused-gpu 60 python3 -m pytest -q -p no:cacheprovider tests/test_fused_kernels.py
+  step unfused 150 env GRAPHRUNNER_FUSED_OPS=0 python3 scripts/bench_decode.py --modes FULL PIECEWISE \
+    --batch-sizes 1 32 --warmup 3 --steps 15 --no-hf --no-plot --json "$OUT/decode_unfused.json"
+  step fused 150 python3 scripts/bench_decode.py --modes FULL PIECEWISE --batch-sizes 1 32 \
+    --warmup 3 --steps 15 --no-hf --no-plot --json "$OUT/decode_fused.json"
+  step capture 120 python3 scripts/bench_capture.py --json "$OUT/capture.json"
 fi
 echo
 echo "| step         | result | time  |"
