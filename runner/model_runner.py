@@ -107,7 +107,9 @@ class ModelRunner:
         self.capture_cudagraphs()  # logs the skip and leaves cuda_graph_ready False
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        num_tokens = self.max_num_tokens
+        # On a CPU the KV budget is a configured byte count, so the peak is not needed: a small
+        # batch still exercises the no-KV-cache path without minutes of 8k-token attention.
+        num_tokens = self.max_num_tokens if self.device.type == "cuda" else min(self.max_num_tokens, 256)
         per_req = min(self.max_model_len, num_tokens)
         lens = [per_req] * (num_tokens // per_req) + ([num_tokens % per_req] if num_tokens % per_req else [])
         lens = lens[: self.max_num_reqs]
