@@ -18,9 +18,9 @@ from configs import CUDAGraphMode, EngineConfig, SamplingParams
 from models.hf_config import ModelSpec
 from models.llama import IntermediateTensors
 from models.loader import build_model
-from runner.cudagraph import (CUDA_GRAPHS, BatchDescriptor, capture_stream, CapturePhase, CUDAGraphWrapper, CudagraphDispatcher,
-                              capture_all, default_capture_sizes, graph_pool, measure_graph_memory,
-                              resolve_cudagraph_mode)
+from runner.cudagraph import (CUDA_GRAPHS, BatchDescriptor, CapturePhase, CUDAGraphWrapper, CudagraphDispatcher,
+                              capture_all, capture_stream, default_capture_sizes, graph_pool,
+                              measure_graph_memory, resolve_cudagraph_mode)
 from runner.input_batch import InputBatch
 from runner.outputs import ModelRunnerOutput
 from runner.sampler import Sampler, SamplingMetadata, make_generator

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import enum
 from typing import Any, ClassVar
 
@@ -21,7 +22,7 @@ class AttentionCGSupport(enum.Enum):
     """Never inside a FULL graph (it may still run as a PIECEWISE break point)."""
 
 
-class AttentionBackend:
+class AttentionBackend(abc.ABC):
     """One attention implementation: builds its metadata and runs the op for a layer.
 
     `forward` writes the result into `out` (a caller-provided buffer): inside a
@@ -36,9 +37,9 @@ class AttentionBackend:
         (plus per-step Python ints) so that FULL graphs see fixed addresses."""
         return common
 
+    @abc.abstractmethod
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 out: torch.Tensor, kv_cache: torch.Tensor | None, metadata: Any) -> None:
         """query [T, Hq, D], key/value [T, Hkv, D], out [T, Hq, D]. With a KV cache:
         write key/value at metadata.slot_mapping (-1 skips), then attend over the cache.
         Without one (profile run): causal attention within each request's new tokens."""
-        raise NotImplementedError
