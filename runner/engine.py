@@ -83,8 +83,12 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(self.spec, config.model.max_model_len)
         self.tokenizer = load_tokenizer(config.model.tokenizer or path)
         self.executor = self._make_executor(path)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks, self.max_model_len,
-                                   eos_token_ids(path, self.spec, self.tokenizer))
+        try:
+            self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks, self.max_model_len,
+                                       eos_token_ids(path, self.spec, self.tokenizer))
+        except BaseException:
+            self.executor.shutdown()  # e.g. too few KV blocks: release pipeline workers at once
+            raise
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
 
