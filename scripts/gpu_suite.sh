@@ -44,17 +44,18 @@ if [[ $STAGE == bench || $STAGE == all ]]; then
   step throughput 150 python3 scripts/bench_throughput.py --json "$OUT/throughput.json"
   step addresses 30 python3 scripts/bench_addresses.py
 fi
-if [[ $STAGE == pp || $STAGE == final ]]; then
+if [[ $STAGE == pp ]]; then
   step pp-tests 240 python3 -m pytest -q -p no:cacheprovider -m cuda -rA tests/test_pipeline.py
 fi
-if [[ $STAGE == final ]]; then  # one call: GPU tests, the fusion before/after, default-size capture
-  step cuda-tests 240 python3 -m pytest -q -p no:cacheprovider -m cuda -rA -s tests --deselect tests/test_pipeline.py
-  step fused-gpu 60 python3 -m pytest -q -p no:cacheprovider tests/test_fused_kernels.py
-  step unfused 150 env GRAPHRUNNER_FUSED_OPS=0 python3 scripts/bench_decode.py --modes FULL PIECEWISE \
+if [[ $STAGE == final ]]; then  # one call: GPU tests, PP on two GPUs, fusion before/after, default-size capture
+  step cuda-tests 150 python3 -m pytest -q -p no:cacheprovider -m cuda -rA -s tests --deselect tests/test_pipeline.py
+  step pp-tests 150 python3 -m pytest -q -p no:cacheprovider -m cuda -rA tests/test_pipeline.py
+  step unfused 100 env GRAPHRUNNER_FUSED_OPS=0 python3 scripts/bench_decode.py --modes FULL PIECEWISE \
     --batch-sizes 1 32 --warmup 3 --steps 15 --no-hf --no-plot --json "$OUT/decode_unfused.json"
-  step fused 150 python3 scripts/bench_decode.py --modes FULL PIECEWISE --batch-sizes 1 32 \
+  step fused 100 python3 scripts/bench_decode.py --modes FULL PIECEWISE --batch-sizes 1 32 \
     --warmup 3 --steps 15 --no-hf --no-plot --json "$OUT/decode_fused.json"
-  step capture 120 python3 scripts/bench_capture.py --json "$OUT/capture.json"
+  step capture 90 python3 scripts/bench_capture.py --json "$OUT/capture.json"
+  step fused-gpu 40 python3 -m pytest -q -p no:cacheprovider tests/test_fused_kernels.py
 fi
 echo
 echo "| step         | result | time  |"
