@@ -168,13 +168,19 @@ class ModelRunner:
         self.cuda_graph_ready = True
 
     def measure_graph_reserve(self) -> int:
-        """Bytes the graphs will take, measured by capturing the largest graph of each runtime mode
-        once into a throwaway pool (against a one-block scratch KV cache), then releasing it."""
+        """Bytes the graphs will take: the largest graph of each runtime mode captured once into a
+        throwaway pool (against a one-block scratch KV cache) and measured, plus what every other
+        graph keeps for itself: its output buffer (FULL: the persistent copy; PIECEWISE: the last
+        segment's output), which the shared pool cannot reuse across graphs."""
         if self.cudagraph_mode == CUDAGraphMode.NONE or self.device.type != "cuda":
             return 0
+        keys = self.dispatcher.all_keys_to_capture()
         largest = {}
-        for mode, desc in self.dispatcher.all_keys_to_capture():
+        for mode, desc in keys:
             largest.setdefault(mode, desc)
+        outputs = 1 if self.model.model.is_last else 2  # hidden states (+ residual between stages)
+        row_bytes = outputs * self.spec.hidden_size * self.dtype.itemsize
+        others = sum(-(-desc.num_tokens * row_bytes // 512) * 512 for mode, desc in keys if largest[mode] != desc)
 
         def capture_largest(pool) -> None:
             self._build_graph_wrappers(pool)
@@ -194,7 +200,7 @@ class ModelRunner:
             self.kv_caches = None
 
         try:
-            self.graph_reserve_bytes = measure_graph_memory(capture_largest, release=release, warm_up=warm_up)
+            self.graph_reserve_bytes = measure_graph_memory(capture_largest, release=release, warm_up=warm_up) + others
         finally:
             self.kv_caches = None
             self._build_graph_wrappers(graph_pool())

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Everything a GPU session checks, in one call on the device machine:
-#   bash scripts/gpu_suite.sh [tests|bench|pp|final|all]
+#   bash scripts/gpu_suite.sh [tests|bench|pp|final|recheck|all]
 # tests: the `cuda`-marked tests plus the Triton kernel tests compiled for the GPU;
 # bench: attention bandwidth, decode latency per graph mode vs HF and the memory floor,
 #        offline throughput, address-check cost; pp: the two-GPU pipeline tests;
-#        final: pp + tests + fused-kernel before/after decode latency + default-size capture.
+#        final: pp + tests + fused-kernel before/after decode latency + default-size capture;
+#        recheck: decode (with HF), default-size capture and throughput only.
 # Logs go to $OUT/suite.log, figures to $OUT/*.json and $OUT/*.png; a short table comes last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,6 +57,12 @@ if [[ $STAGE == final ]]; then  # one call: GPU tests, PP on two GPUs, fusion be
     --warmup 3 --steps 15 --no-hf --no-plot --json "$OUT/decode_fused.json"
   step capture 90 python3 scripts/bench_capture.py --json "$OUT/capture.json"
   step fused-gpu 40 python3 -m pytest -q -p no:cacheprovider tests/test_fused_kernels.py
+fi
+if [[ $STAGE == recheck ]]; then  # the goal figures again after a change, on the GPU the goals name
+  step decode 95 python3 scripts/bench_decode.py --modes FULL PIECEWISE --warmup 3 --steps 15 --hf-max-batch 32 \
+    --json "$OUT/decode.json" --plot "$OUT/decode.png"
+  step capture 50 python3 scripts/bench_capture.py --json "$OUT/capture.json"
+  step throughput 60 python3 scripts/bench_throughput.py --json "$OUT/throughput.json"
 fi
 echo
 echo "| step         | result | time  |"
