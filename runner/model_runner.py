@@ -19,7 +19,7 @@ from models.hf_config import ModelSpec
 from models.llama import IntermediateTensors
 from models.loader import build_model
 from runner.cudagraph import (CUDA_GRAPHS, BatchDescriptor, CapturePhase, CUDAGraphWrapper, CudagraphDispatcher,
-                              capture_all, capture_stream, default_capture_sizes, graph_pool,
+                              capture_all, default_capture_sizes, graph_pool,
                               measure_graph_memory, resolve_cudagraph_mode)
 from runner.input_batch import InputBatch
 from runner.outputs import ModelRunnerOutput
@@ -189,18 +189,12 @@ class ModelRunner:
                 for mode, desc in largest.items():
                     self._capture_one(mode, desc)
 
-        def warm_up() -> None:  # the same shapes eagerly, on the capture stream, before measuring
-            self.initialize_kv_cache(1)
-            with torch.inference_mode(), capture_stream(self.graph_factory):
-                for desc in largest.values():
-                    self._capture_one(CUDAGraphMode.NONE, desc)
-
         def release() -> None:  # drop the throwaway graphs before the measurement empties the cache
             self._build_graph_wrappers(None)
             self.kv_caches = None
 
         try:
-            self.graph_reserve_bytes = measure_graph_memory(capture_largest, release=release, warm_up=warm_up) + others
+            self.graph_reserve_bytes = measure_graph_memory(capture_largest, release=release) + others
         finally:
             self.kv_caches = None
             self._build_graph_wrappers(graph_pool())

@@ -90,30 +90,27 @@ def capture_all(keys: Sequence[K], capture_one: Callable[[K], None], desc: str =
 
 
 def measure_graph_memory(capture_largest: Callable[[Any], None],
-                         release: Callable[[], None] | None = None,
-                         warm_up: Callable[[], None] | None = None) -> int:
+                         release: Callable[[], None] | None = None) -> int:
     """Bytes one capture of the largest graph(s) costs, measured on CUDA; 0 without CUDA.
 
-    `capture_largest(pool)` captures into the given THROWAWAY pool. The cost is the larger of
-    the growth of torch's reserved memory (the pool, persistent outputs) and of the device's
-    used memory (also graph-exec objects the driver allocates outside torch). Afterwards
-    `release()` (if given) must drop every reference to those graphs; then the pool's memory
-    is returned to the device, so the KV cache can be sized with the reserve subtracted.
-    `warm_up()` (if given) runs first, outside the measurement: one-time costs such as Triton
-    module loads, a stream's cuBLAS workspace and eager activations are not graph memory.
+    `capture_largest(pool)` captures into the given THROWAWAY pool. The cost is the growth of
+    torch's reserved memory, the same quantity `capture_all` reports as actual: the pool, the
+    persistent outputs, and the eager warm-up's activations on the capture stream (the caching
+    allocator keeps those per stream, so the real capture needs them again). Driver memory
+    outside torch (Triton module loads on first use) is a one-time cost, not graph memory, and
+    is left out: counting it made an early estimate 4.8x too high. Afterwards `release()` (if
+    given) must drop every reference to those graphs, so the pool returns to the device.
     """
     if not torch.cuda.is_available():
         return 0
-    if warm_up is not None:
-        warm_up()
     gc.collect()
     torch.cuda.synchronize()
-    reserved_before, free_before = torch.cuda.memory_reserved(), torch.cuda.mem_get_info()[0]
+    reserved_before = torch.cuda.memory_reserved()
     pool = graph_pool()
     try:
         capture_largest(pool)
         torch.cuda.synchronize()
-        cost = max(torch.cuda.memory_reserved() - reserved_before, free_before - torch.cuda.mem_get_info()[0])
+        cost = torch.cuda.memory_reserved() - reserved_before
     finally:
         if release is not None:
             release()
