@@ -27,6 +27,8 @@ def _generate(args: argparse.Namespace) -> int:
     options = {"device": args.device, "dtype": args.dtype, "seed": args.seed, "cudagraph_mode": args.cudagraph_mode}
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
+    if args.pipeline_parallel_size > 1:
+        options["pipeline_parallel_size"] = args.pipeline_parallel_size
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     with LLM(model=args.model, **options) as llm:
         started = time.perf_counter()
@@ -76,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")
     gen.add_argument("--max-model-len", type=int)
+    gen.add_argument("--pipeline-parallel-size", type=int, default=1, help="processes, each with a slice of layers")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.set_defaults(func=_generate)
     bench = sub.add_parser("bench", help="run scripts/bench_<which>.py")

@@ -168,7 +168,11 @@ class LLMEngine:
             if sched.finished_ids:
                 self.executor.execute(sched)  # lets the runner drop per-request state (generators)
             return []
-        result = self.executor.execute(sched)
+        try:
+            result = self.executor.execute(sched)
+        except BaseException:
+            self.scheduler.cancel_step()  # the engine stays usable: the same step runs again next time
+            raise
         now = time.monotonic()
         outputs = []
         for request in self.scheduler.update(result.sampled):

@@ -180,6 +180,12 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def cancel_step(self) -> None:
+        """The last scheduled step failed before producing results: forget it. Nothing advanced
+        (num_computed_tokens moves only in update), blocks stay with their requests, so the
+        next schedule() hands out the same work again."""
+        self._scheduled_tokens = {}
+
     def update(self, sampled) -> list[Request]:
         """Apply a step's results: `sampled` is {request id: token} or a ModelRunnerOutput.
 
