@@ -22,7 +22,7 @@ ARCHITECTURES: dict[str, FamilyFlags] = {
 
 
 class UnsupportedArchitectureError(ValueError):
-    pass
+    """config.json names an architecture this engine does not implement."""
 
 
 def family_flags(architectures: list[str] | None) -> tuple[str, FamilyFlags]:

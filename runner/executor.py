@@ -42,4 +42,4 @@ class UniProcExecutor:
         return self.model_runner.execute(sched)
 
     def shutdown(self) -> None:
-        pass
+        """Nothing to release: the model lives in this process and goes with it."""
