@@ -1,13 +1,17 @@
 """Paged attention in plain torch: the CPU backend and the reference for the Triton one.
 
-Vectorised over requests: queries are gathered into [num_reqs, max_query_len] and keys
-into [num_reqs, max_seq_len] (through the block table), one masked SDPA call covers
-prefill with a cached prefix, chunked prefill and decode in the same batch. Shapes depend
-on max_seq_len, so FULL graphs can't hold it (support NEVER); as a PIECEWISE break point
-it runs eagerly between graph segments and is fine.
+Vectorised over requests: queries are gathered into [num_reqs, max_query_len] and keys into
+[num_reqs, max_seq_len] (whole blocks at a time, through the block table); one masked SDPA
+call covers prefill with a cached prefix, chunked prefill and decode in the same batch, with
+GQA handled by SDPA itself (no repeated K/V). The gather indices and the mask depend only on
+the step, so they are built once per step (on the first layer) and shared by every layer.
+Shapes depend on max_seq_len, so FULL graphs can't hold it (support NEVER); as a PIECEWISE
+break point it runs eagerly between graph segments and is fine.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -26,51 +30,84 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     flat[1].index_copy_(0, slots, value[valid])
 
 
+@dataclass
+class _StepLayout:
+    """Where each query and key of the step sits in the padded [request, position] grid."""
+    actual: int
+    q_index: torch.Tensor      # [R, max_q] token row of each query slot (0 where padded)
+    q_valid: torch.Tensor      # [R, max_q] bool
+    mask: torch.Tensor         # [R, 1, max_q, max_kv] bool: causal and within seq_len
+    kv_blocks: torch.Tensor | None  # [R, blocks] block ids to gather (cache path)
+    kv_index: torch.Tensor | None   # [R, max_kv] token rows of the step's own keys (no-cache path)
+
+
+@dataclass
+class TorchSDPAMetadata:
+    common: CommonAttentionMetadata
+    layouts: dict = field(default_factory=dict)
+    """(has_cache, block_size) -> _StepLayout, filled by the first layer of the step."""
+
+    def __getattr__(self, name: str):
+        return getattr(self.common, name)
+
+
+def _layout(common: CommonAttentionMetadata, block_size: int | None, device: torch.device) -> _StepLayout:
+    num_reqs = common.num_reqs
+    qsl = common.query_start_loc_cpu[: num_reqs + 1].long()
+    query_lens = qsl[1:] - qsl[:-1]
+    seq_lens = common.seq_lens_cpu[:num_reqs].long()
+    actual = int(qsl[-1])
+    max_q = int(query_lens.max()) if num_reqs else 0
+    q_cols = torch.arange(max_q)
+    q_valid = q_cols[None, :] < query_lens[:, None]
+    q_index = torch.where(q_valid, qsl[:-1, None] + q_cols[None, :], 0)
+    if block_size is not None:
+        max_kv = int(seq_lens.max()) if num_reqs else 0
+        blocks = -(-max_kv // block_size)
+        max_kv = blocks * block_size
+        kv_blocks = common.block_table[:num_reqs, :blocks].long()
+        kv_index, context, kv_len = None, seq_lens - query_lens, seq_lens
+    else:
+        max_kv = max_q
+        kv_blocks, context, kv_len = None, torch.zeros_like(query_lens), query_lens
+        kv_index = q_index.to(device)
+    kv_pos = torch.arange(max_kv)
+    q_pos = context[:, None] + q_cols[None, :]
+    mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < kv_len[:, None, None])
+    return _StepLayout(actual, q_index.to(device), q_valid.to(device), mask[:, None].to(device),
+                       kv_blocks, kv_index)
+
+
 class TorchSDPABackend(AttentionBackend):
     name = "torch"
     cudagraph_support = AttentionCGSupport.NEVER
 
-    def forward(self, layer, query, key, value, out, kv_cache, metadata: CommonAttentionMetadata) -> None:
-        num_reqs = metadata.num_reqs
-        qsl = metadata.query_start_loc_cpu[: num_reqs + 1].long()
-        query_lens = qsl[1:] - qsl[:-1]
-        seq_lens = metadata.seq_lens_cpu[:num_reqs].long()
-        actual = int(qsl[-1])
+    def build_metadata(self, common: CommonAttentionMetadata) -> TorchSDPAMetadata:
+        return TorchSDPAMetadata(common)
+
+    def forward(self, layer, query, key, value, out, kv_cache, metadata) -> None:
+        if not isinstance(metadata, TorchSDPAMetadata):
+            metadata = TorchSDPAMetadata(metadata)
+        block_size = None if kv_cache is None else kv_cache.shape[2]
+        layout = metadata.layouts.get(block_size)
+        if layout is None:
+            layout = metadata.layouts[block_size] = _layout(metadata.common, block_size, query.device)
+        actual = layout.actual
         if kv_cache is not None:
-            write_kv(key[:actual], value[:actual], kv_cache, metadata.slot_mapping[:actual])
+            write_kv(key[:actual], value[:actual], kv_cache, metadata.common.slot_mapping[:actual])
         if actual < out.shape[0]:
             out[actual:].zero_()
         if actual == 0:
             return
-        device = query.device
-        max_q = int(query_lens.max())
-        max_kv = int(seq_lens.max()) if kv_cache is not None else max_q
-        # Row r, column i of the padded query grid is token qsl[r] + i (when i < query_len).
-        q_cols = torch.arange(max_q)
-        q_valid = q_cols[None, :] < query_lens[:, None]
-        q_index = torch.where(q_valid, qsl[:-1, None] + q_cols[None, :], 0)
-        context_lens = (seq_lens - query_lens) if kv_cache is not None else torch.zeros_like(query_lens)
-        q_pos = context_lens[:, None] + q_cols[None, :]
-        kv_pos = torch.arange(max_kv)
+        q = query[layout.q_index].transpose(1, 2)                        # [R, Hq, max_q, D]
         if kv_cache is not None:
-            block_size = kv_cache.shape[2]
-            table = metadata.block_table[:num_reqs, : (max_kv + block_size - 1) // block_size].long().cpu()
-            kv_index = table[:, kv_pos // block_size] * block_size + kv_pos % block_size
-            keys = kv_cache[0].view(-1, layer.num_kv_heads, layer.head_dim)
-            values = kv_cache[1].view(-1, layer.num_kv_heads, layer.head_dim)
-            kv_len = seq_lens
+            num_reqs, blocks = layout.kv_blocks.shape
+            shape = (num_reqs, blocks * kv_cache.shape[2], layer.num_kv_heads, layer.head_dim)
+            k = kv_cache[0][layout.kv_blocks].view(shape).transpose(1, 2)  # [R, Hkv, max_kv, D]
+            v = kv_cache[1][layout.kv_blocks].view(shape).transpose(1, 2)
         else:
-            kv_index = qsl[:-1, None] + kv_pos[None, :]
-            kv_index = torch.where(kv_pos[None, :] < query_lens[:, None], kv_index, 0)
-            keys, values, kv_len = key, value, query_lens
-        mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < kv_len[:, None, None])
-        q_index, kv_index, mask = q_index.to(device), kv_index.to(device), mask.to(device)
-        q = query[q_index].transpose(1, 2)                  # [R, Hq, max_q, D]
-        k = keys[kv_index].transpose(1, 2)                  # [R, Hkv, max_kv, D]
-        v = values[kv_index].transpose(1, 2)
-        if layer.num_heads != layer.num_kv_heads:
-            group = layer.num_heads // layer.num_kv_heads
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        result = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=layer.scale)
-        result = result.transpose(1, 2)                     # [R, max_q, Hq, D]
-        out[:actual] = result[q_valid.to(device)]
+            k = key[layout.kv_index].transpose(1, 2)
+            v = value[layout.kv_index].transpose(1, 2)
+        result = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, scale=layer.scale,
+                                                enable_gqa=layer.num_heads != layer.num_kv_heads)
+        out[:actual] = result.transpose(1, 2)[layout.q_valid]
