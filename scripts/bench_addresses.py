@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from attention.metadata import CommonAttentionMetadata  # noqa: E402
 from runner.cudagraph.addresses import AddressRecorder, tensor_addresses  # noqa: E402
 
 
@@ -28,21 +29,10 @@ class LayerState(NamedTuple):
 
 @dataclass
 class Metadata:
-    query_start_loc: torch.Tensor
-    query_start_loc_cpu: torch.Tensor
-    seq_lens: torch.Tensor
-    seq_lens_cpu: torch.Tensor
-    num_computed_tokens_cpu: torch.Tensor
-    block_table: torch.Tensor
-    slot_mapping: torch.Tensor
-    token_request_index: torch.Tensor
+    """The real common metadata plus backend extras, as a backend's metadata would hold them."""
+    common: CommonAttentionMetadata
     split_offsets: torch.Tensor
     split_lens: torch.Tensor
-    num_reqs: int = 8
-    num_actual_tokens: int = 8
-    max_query_len: int = 1
-    max_seq_len: int = 512
-    uniform_decode: bool = True
     per_layer: dict = field(default_factory=dict)
 
 
@@ -50,7 +40,9 @@ def main() -> None:
     z = lambda: torch.zeros(4)  # noqa: E731
     args = tuple(z() for _ in range(5))
     kwargs = {f"kw{i}": z() for i in range(5)}
-    meta = Metadata(*(z() for _ in range(10)),
+    common = CommonAttentionMetadata(*(z() for _ in range(8)), num_reqs=8, num_actual_tokens=8, max_query_len=1,
+                                     max_seq_len=512, uniform_decode=True)
+    meta = Metadata(common, z(), z(),
                     per_layer={f"model.layers.{i}.self_attn": LayerState(z(), z()) for i in range(30)})
     inputs = {"args": args, "kwargs": kwargs, "attn_metadata": meta}
     n_tensors = len(tensor_addresses(inputs))
