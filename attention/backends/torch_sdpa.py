@@ -48,6 +48,10 @@ class TorchSDPAMetadata:
     """(has_cache, block_size) -> _StepLayout, filled by the first layer of the step."""
 
     def __getattr__(self, name: str):
+        """The common fields read through (`metadata.uniform_decode`); guarded so that a copy
+        made without __init__ (copy, pickle) raises instead of recursing."""
+        if name == "common":
+            raise AttributeError(name)
         return getattr(self.common, name)
 
 
