@@ -82,6 +82,11 @@ def _layout(common: CommonAttentionMetadata, block_size: int | None, device: tor
                        kv_blocks, kv_index)
 
 
+def _rows(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`source[index]` for a 2-D index over source's first dimension."""
+    return source.index_select(0, index.reshape(-1)).view(*index.shape, *source.shape[1:])
+
+
 class TorchSDPABackend(AttentionBackend):
     name = "torch"
     cudagraph_support = AttentionCGSupport.NEVER
@@ -103,15 +108,16 @@ class TorchSDPABackend(AttentionBackend):
             out[actual:].zero_()
         if actual == 0:
             return
-        q = query[layout.q_index].transpose(1, 2)                        # [R, Hq, max_q, D]
+        # index_select on flattened indices: about twice as fast on a CPU as advanced indexing.
+        q = _rows(query, layout.q_index).transpose(1, 2)                  # [R, Hq, max_q, D]
         if kv_cache is not None:
             num_reqs, blocks = layout.kv_blocks.shape
             shape = (num_reqs, blocks * kv_cache.shape[2], layer.num_kv_heads, layer.head_dim)
-            k = kv_cache[0][layout.kv_blocks].view(shape).transpose(1, 2)  # [R, Hkv, max_kv, D]
-            v = kv_cache[1][layout.kv_blocks].view(shape).transpose(1, 2)
+            k = _rows(kv_cache[0], layout.kv_blocks).view(shape).transpose(1, 2)  # [R, Hkv, max_kv, D]
+            v = _rows(kv_cache[1], layout.kv_blocks).view(shape).transpose(1, 2)
         else:
-            k = key[layout.kv_index].transpose(1, 2)
-            v = value[layout.kv_index].transpose(1, 2)
+            k = _rows(key, layout.kv_index).transpose(1, 2)
+            v = _rows(value, layout.kv_index).transpose(1, 2)
         result = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, scale=layer.scale,
                                                 enable_gqa=layer.num_heads != layer.num_kv_heads)
         out[:actual] = result.transpose(1, 2)[layout.q_valid]
