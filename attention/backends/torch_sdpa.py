@@ -36,7 +36,7 @@ class _StepLayout:
     actual: int
     q_index: torch.Tensor      # [R, max_q] token row of each query slot (0 where padded)
     q_valid: torch.Tensor      # [R, max_q] bool
-    mask: torch.Tensor         # [R, 1, max_q, max_kv] bool: causal and within seq_len
+    mask: torch.Tensor         # [R, 1, max_q, max_kv] additive: 0 where causal and within seq_len, else -inf
     kv_blocks: torch.Tensor | None  # [R, blocks] block ids to gather (cache path)
     kv_index: torch.Tensor | None   # [R, max_kv] token rows of the step's own keys (no-cache path)
 
@@ -55,7 +55,8 @@ class TorchSDPAMetadata:
         return getattr(self.common, name)
 
 
-def _layout(common: CommonAttentionMetadata, block_size: int | None, device: torch.device) -> _StepLayout:
+def _layout(common: CommonAttentionMetadata, block_size: int | None, device: torch.device,
+            dtype: torch.dtype) -> _StepLayout:
     num_reqs = common.num_reqs
     qsl = common.query_start_loc_cpu[: num_reqs + 1].long()
     query_lens = qsl[1:] - qsl[:-1]
@@ -77,7 +78,9 @@ def _layout(common: CommonAttentionMetadata, block_size: int | None, device: tor
         kv_index = q_index.to(device)
     kv_pos = torch.arange(max_kv)
     q_pos = context[:, None] + q_cols[None, :]
-    mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < kv_len[:, None, None])
+    allowed = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < kv_len[:, None, None])
+    # Additive float mask, built once: SDPA would otherwise convert a bool mask in every layer.
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
     return _StepLayout(actual, q_index.to(device), q_valid.to(device), mask[:, None].to(device),
                        kv_blocks, kv_index)
 
@@ -100,7 +103,7 @@ class TorchSDPABackend(AttentionBackend):
         block_size = None if kv_cache is None else kv_cache.shape[2]
         layout = metadata.layouts.get(block_size)
         if layout is None:
-            layout = metadata.layouts[block_size] = _layout(metadata.common, block_size, query.device)
+            layout = metadata.layouts[block_size] = _layout(metadata.common, block_size, query.device, query.dtype)
         actual = layout.actual
         if kv_cache is not None:
             write_kv(key[:actual], value[:actual], kv_cache, metadata.common.slot_mapping[:actual])
