@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from configs import EngineConfig, SamplingParams
@@ -28,7 +28,7 @@ class _Tracked:
     request: Request
     detokenizer: IncrementalDetokenizer
     logprobs: list[dict[int, float]] | None
-    metrics: RequestMetrics = field(default=None)
+    metrics: RequestMetrics
 
 
 def resolve_model_path(model: str) -> str:

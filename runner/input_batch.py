@@ -7,21 +7,10 @@ used prefix to the device buffers, and returns views `[:padded]` of them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from attention.metadata import CommonAttentionMetadata
-
-
-@dataclass(frozen=True)
-class BatchShape:
-    """What `prepare` was asked to fill: the real batch and the padded one it runs as."""
-    num_tokens: int
-    num_reqs: int
-    padded_tokens: int
-    padded_reqs: int
 
 
 class _Buffer:
@@ -54,7 +43,7 @@ class InputBatch:
 
     def prepare(self, token_ids: list[list[int]], num_computed: list[int], block_ids: list[list[int]],
                 padded_tokens: int, padded_reqs: int, slots_enabled: bool = True,
-                ) -> tuple[BatchShape, CommonAttentionMetadata]:
+                ) -> CommonAttentionMetadata:
         """Fill the buffers for requests with these new tokens, context lengths and block tables.
 
         Padded token rows get slot -1 and request index -1; padded requests get query length 0
@@ -95,7 +84,6 @@ class InputBatch:
                              (self.token_request_index, -1)):
             buffer.np[num_tokens:padded_tokens] = fill
 
-        shape = BatchShape(num_tokens, num_reqs, padded_tokens, padded_reqs)
         common = CommonAttentionMetadata(
             query_start_loc=self.query_start_loc.upload(padded_reqs + 1),
             query_start_loc_cpu=self.query_start_loc.cpu[:padded_reqs + 1],
@@ -113,7 +101,7 @@ class InputBatch:
         )
         self.input_ids.upload(padded_tokens)
         self.positions.upload(padded_tokens)
-        return shape, common
+        return common
 
     def model_inputs(self, padded_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.input_ids.gpu[:padded_tokens], self.positions.gpu[:padded_tokens]

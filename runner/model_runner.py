@@ -114,7 +114,7 @@ class ModelRunner:
         lens = [per_req] * (num_tokens // per_req) + ([num_tokens % per_req] if num_tokens % per_req else [])
         lens = lens[: self.max_num_reqs]
         requests = [[0] * n for n in lens]
-        _, common = self.input_batch.prepare(requests, [0] * len(lens), [[] for _ in lens], sum(lens), len(lens),
+        common = self.input_batch.prepare(requests, [0] * len(lens), [[] for _ in lens], sum(lens), len(lens),
                                              slots_enabled=False)
         hidden = self._forward(sum(lens), common, CUDAGraphMode.NONE, None)
         if hidden is not None and self.model.model.is_last:
@@ -147,7 +147,7 @@ class ModelRunner:
 
     def _capture_one(self, mode: CUDAGraphMode, desc: BatchDescriptor) -> None:
         requests, padded_reqs = self._dummy_batch(desc)
-        _, common = self.input_batch.prepare(requests, [0] * len(requests), [[] for _ in requests],
+        common = self.input_batch.prepare(requests, [0] * len(requests), [[] for _ in requests],
                                              desc.num_tokens, padded_reqs, slots_enabled=False)
         self._forward(desc.num_tokens, common, mode, desc)
 
@@ -220,7 +220,7 @@ class ModelRunner:
         reqs = sched.scheduled
         padded_tokens = desc.num_tokens if desc is not None else sched.num_scheduled_tokens
         padded_reqs = max(len(reqs), desc.num_reqs) if desc is not None and mode == CUDAGraphMode.FULL else len(reqs)
-        _, common = self.input_batch.prepare([r.token_ids for r in reqs], [r.num_computed_tokens for r in reqs],
+        common = self.input_batch.prepare([r.token_ids for r in reqs], [r.num_computed_tokens for r in reqs],
                                              [r.block_ids for r in reqs], padded_tokens, padded_reqs)
         return mode, desc, padded_tokens, common
 

@@ -20,7 +20,7 @@ def prefill_logits(model, prompts: list[list[int]]) -> list[torch.Tensor]:
     """Logits of every position of every prompt, all prompts in ONE flattened forward."""
     total = sum(len(p) for p in prompts)
     batch = InputBatch(total, len(prompts), 1, 16, torch.device("cpu"))
-    _, common = batch.prepare(prompts, [0] * len(prompts), [[] for _ in prompts], total, len(prompts),
+    common = batch.prepare(prompts, [0] * len(prompts), [[] for _ in prompts], total, len(prompts),
                               slots_enabled=False)
     context = ForwardContext(common, None, TorchSDPABackend())
     input_ids, positions = batch.model_inputs(total)

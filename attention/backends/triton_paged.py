@@ -14,8 +14,12 @@ import torch
 
 from attention.backends.base import AttentionBackend, AttentionCGSupport
 from attention.kernels.kv_write import write_kv
-from attention.kernels.unified_attention import causal_attention_no_cache, unified_attention
+from attention.backends.torch_sdpa import TorchSDPABackend
+from attention.kernels.unified_attention import unified_attention
 from attention.metadata import CommonAttentionMetadata
+
+
+_PROFILE_BACKEND = TorchSDPABackend()
 
 
 class TritonPagedBackend(AttentionBackend):
@@ -29,12 +33,8 @@ class TritonPagedBackend(AttentionBackend):
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 out: torch.Tensor, kv_cache: torch.Tensor | None, metadata: Any) -> None:
         if kv_cache is None:
-            # Profile run: eager only, so host offsets are fine; no metadata means one request.
-            if metadata is not None:
-                query_start_loc_cpu = metadata.query_start_loc_cpu
-            else:
-                query_start_loc_cpu = torch.tensor([0, query.shape[0]], dtype=torch.int32)
-            causal_attention_no_cache(query, key, value, out, query_start_loc_cpu, layer.scale)
+            # Profile run (never captured): the torch reference's causal attention within requests.
+            _PROFILE_BACKEND.forward(layer, query, key, value, out, None, metadata)
             return
         write_kv(key, value, kv_cache, metadata.slot_mapping)
         unified_attention(query, kv_cache, out, metadata.query_start_loc, metadata.seq_lens,

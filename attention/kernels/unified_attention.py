@@ -243,21 +243,3 @@ def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Te
             HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=1 if d_pad <= 64 else 2,
         )
-
-
-def causal_attention_no_cache(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                              out: torch.Tensor, query_start_loc_cpu: torch.Tensor, scale: float) -> None:
-    """The profile run's attention (no KV cache yet): causal within each request's new tokens.
-    Plain torch, eager only: it is never captured, so reading host offsets is fine."""
-    num_q_heads, num_kv_heads = query.shape[1], key.shape[1]
-    group = num_q_heads // num_kv_heads
-    bounds = query_start_loc_cpu.tolist()
-    out[bounds[-1]:].zero_()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end == start:
-            continue
-        q = query[start:end].transpose(0, 1)                           # [Hq, L, D]
-        k = key[start:end].transpose(0, 1).repeat_interleave(group, dim=0)
-        v = value[start:end].transpose(0, 1).repeat_interleave(group, dim=0)
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        out[start:end] = o.transpose(0, 1)
