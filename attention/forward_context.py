@@ -40,6 +40,12 @@ def get_forward_context() -> ForwardContext:
     return context
 
 
+def current_runtime_mode() -> CUDAGraphMode:
+    """The graph mode of the forward in progress; NONE (eager) outside any forward context."""
+    context = getattr(_state, "context", None)
+    return CUDAGraphMode.NONE if context is None else context.runtime_mode
+
+
 @contextmanager
 def set_forward_context(context: ForwardContext) -> Iterator[ForwardContext]:
     previous = getattr(_state, "context", None)

@@ -1,4 +1,4 @@
-"""The attention op every layer calls: a PIECEWISE break point that reads the forward context."""
+"""The attention op every layer calls: RoPE, then a PIECEWISE break point that reads the forward context."""
 
 from __future__ import annotations
 
@@ -10,20 +10,36 @@ from runner.cudagraph.breakable import break_point
 
 
 class Attention(nn.Module):
-    """Paged attention of one layer. Holds no weights: q/k/v come from the layer's projections,
-    the KV cache and metadata from the forward context (`cache_index` picks this layer's cache)."""
+    """RoPE + paged attention of one layer. Holds no weights: q/k/v come from the layer's
+    projections, the KV cache and metadata from the forward context (`cache_index` picks this
+    layer's cache)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, cache_index: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, cache_index: int,
+                 rotary: nn.Module) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
         self.cache_index = cache_index
+        self.rotary = rotary  # the model's one table, shared by every layer
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]. The output is allocated here, by the
-        caller of the break point, so inside a PIECEWISE capture it lives in the graph pool."""
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (not yet rotated) -> [T, Hq * D]. The output is allocated
+        here, by the caller of the break point, so inside a PIECEWISE capture it lives in the pool.
+
+        When the backend lets the layer write the cache (`kv_written_by_layer`), one fused kernel
+        rotates q and k and writes k/v at the step's slots, before the break point: inside the
+        graph segment, so PIECEWISE's eager part is the attention launch alone."""
+        context = get_forward_context()
+        rotated = None
+        if context.kv_caches is not None and context.attn_backend.kv_written_by_layer:
+            rotated = self.rotary.rotate_and_cache(positions, q, k, v, context.kv_caches[self.cache_index],
+                                                   context.attn_metadata.slot_mapping)
+        if rotated is not None:
+            q, k, v = rotated, None, None
+        else:
+            q, k = self.rotary(positions, q, k)
         out = torch.empty_like(q)
         attention_op(self, q, k, v, out=out)
         return out.view(q.shape[0], -1)

@@ -66,26 +66,33 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _rotate_into(src, dst, pos_ptr, token, cos_sin_ptr, cos_sin_stride, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    """dst = neox-rotate(src) for one head at the token's position; fp32 math, rounded to src's
+    dtype (as the torch reference), then stored in dst's dtype."""
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HALF
+    pos = tl.load(pos_ptr + token)
+    cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + offs, mask=mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + offs, mask=mask, other=0.0)
+    x1 = tl.load(src + offs, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF + offs, mask=mask, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(dst + offs, (a * cos - b * sin).to(x1.dtype).to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF + offs, (b * cos + a * sin).to(x1.dtype).to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr, q_stride_t, q_stride_h, k_stride_t,
                  k_stride_h, num_q_heads, num_k_heads, cache_stride, HALF: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < HALF
-    pos = tl.load(pos_ptr + token)
-    cos = tl.load(cache_ptr + pos * cache_stride + offs, mask=mask, other=0.0)
-    sin = tl.load(cache_ptr + pos * cache_stride + HALF + offs, mask=mask, other=0.0)
     if head < num_q_heads:
-        src = q_ptr + token * q_stride_t + head * q_stride_h
-        dst = q_out_ptr + (token * num_q_heads + head) * 2 * HALF
+        _rotate_into(q_ptr + token * q_stride_t + head * q_stride_h, q_out_ptr + (token * num_q_heads + head) * 2 * HALF,
+                     pos_ptr, token, cache_ptr, cache_stride, HALF, BLOCK)
     else:
-        src = k_ptr + token * k_stride_t + (head - num_q_heads) * k_stride_h
-        dst = k_out_ptr + (token * num_k_heads + head - num_q_heads) * 2 * HALF
-    x1 = tl.load(src + offs, mask=mask, other=0.0)
-    x2 = tl.load(src + HALF + offs, mask=mask, other=0.0)
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(dst + offs, (a * cos - b * sin).to(x1.dtype), mask=mask)
-    tl.store(dst + HALF + offs, (b * cos + a * sin).to(x1.dtype), mask=mask)
+        k_head = head - num_q_heads
+        _rotate_into(k_ptr + token * k_stride_t + k_head * k_stride_h, k_out_ptr + (token * num_k_heads + k_head) * 2 * HALF,
+                     pos_ptr, token, cache_ptr, cache_stride, HALF, BLOCK)
 
 
 def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor):
@@ -100,3 +107,61 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cach
         q, k, q_out, k_out, positions, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         num_q, num_k, cos_sin_cache.stride(0), HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1)
     return q_out, k_out
+
+
+@triton.jit
+def _rope_and_cache_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, pos_ptr, cos_sin_ptr, cache_ptr, slot_ptr,
+                           q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+                           num_q_heads, num_k_heads, cos_sin_stride,
+                           stride_c_kv, stride_c_b, stride_c_s, stride_c_h,
+                           HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Program (token, head) over num_q + 2 * num_k heads: rotates a q head into q_out, or rotates
+    a k head / copies a v head into the paged cache at the token's slot (-1: padded row, skip)."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if head < num_q_heads:
+        _rotate_into(q_ptr + token * q_stride_t + head * q_stride_h,
+                     q_out_ptr + (token * num_q_heads + head) * 2 * HALF,
+                     pos_ptr, token, cos_sin_ptr, cos_sin_stride, HALF, BLOCK)
+    else:
+        slot = tl.load(slot_ptr + token)
+        if slot >= 0:
+            kv_head = head - num_q_heads
+            slot_ptr_k = cache_ptr + (slot // BLOCK_SIZE) * stride_c_b + (slot % BLOCK_SIZE) * stride_c_s
+            if kv_head < num_k_heads:
+                _rotate_into(k_ptr + token * k_stride_t + kv_head * k_stride_h, slot_ptr_k + kv_head * stride_c_h,
+                             pos_ptr, token, cos_sin_ptr, cos_sin_stride, HALF, BLOCK)
+            else:
+                kv_head -= num_k_heads
+                offs = tl.arange(0, BLOCK)
+                mask = offs < HALF
+                src = v_ptr + token * v_stride_t + kv_head * v_stride_h
+                dst = slot_ptr_k + stride_c_kv + kv_head * stride_c_h
+                x1 = tl.load(src + offs, mask=mask, other=0.0)
+                x2 = tl.load(src + HALF + offs, mask=mask, other=0.0)
+                tl.store(dst + offs, x1.to(dst.dtype.element_ty), mask=mask)
+                tl.store(dst + HALF + offs, x2.to(dst.dtype.element_ty), mask=mask)
+
+
+def rope_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Neox RoPE on q [T, Hq, D] (returned as a new contiguous tensor) and on k [T, Hk, D], with the
+    rotated k and v [T, Hk, D] written straight into kv_cache [2, blocks, block_size, Hk, D] at
+    slot_mapping [T] (-1 skips). One launch instead of RoPE + KV write: the small-batch decode
+    step is bound by launches, and the rotated k never round-trips through memory."""
+    tokens, num_q, dim = q.shape
+    num_k = k.shape[1]
+    if v.shape != k.shape or kv_cache.shape[3:] != k.shape[1:] or slot_mapping.shape[0] != tokens:
+        raise ValueError(f"rope_and_cache shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}, kv_cache {tuple(kv_cache.shape)}, slots {tuple(slot_mapping.shape)}")
+    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or kv_cache.stride(4) != 1:
+        raise ValueError("rope_and_cache needs a contiguous head dim in q, k, v and kv_cache")
+    q_out = torch.empty((tokens, num_q, dim), dtype=q.dtype, device=q.device)
+    half = dim // 2
+    _rope_and_cache_kernel[(tokens, num_q + 2 * num_k)](
+        q, k, v, q_out, positions, cos_sin_cache, kv_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        num_q, num_k, cos_sin_cache.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        HALF=half, BLOCK=triton.next_power_of_2(half), BLOCK_SIZE=kv_cache.shape[2], num_warps=1)
+    return q_out

@@ -115,6 +115,15 @@ class RotaryEmbedding(nn.Module):
             return self.reference(positions, q, k)
         return kernels.rope(positions, q, k, self.cos_sin_cache)
 
+    def rotate_and_cache(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor | None:
+        """Rotated q, with rotated k and v written into kv_cache at slot_mapping, in one fused
+        kernel; None where that kernel does not apply (no CUDA, fused ops off, partial rotary)."""
+        kernels = fused(q)
+        if kernels is None or self.rotary_dim != q.shape[-1]:
+            return None
+        return kernels.rope_and_cache(positions, q, k, v, self.cos_sin_cache, kv_cache, slot_mapping)
+
     def reference(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)

@@ -36,8 +36,7 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
         self.qk_norm = spec.qk_norm
-        self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, cache_index)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, cache_index, rotary)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         tokens = x.shape[0]
@@ -47,8 +46,7 @@ class SelfAttention(nn.Module):
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(positions, q, k, v))
 
 
 class DecoderLayer(nn.Module):

@@ -63,3 +63,32 @@ def test_rope_on_strided_q_and_k(dtype, heads, kv_heads, head_dim):
     ref_q, ref_k = rotary.reference(positions, q, k)
     _close(got_q, ref_q, dtype)
     _close(got_k, ref_k, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (9, 3, 64), (4, 4, 24)])
+def test_rope_and_cache_rotates_q_and_writes_rotated_k_and_v_at_slots(dtype, heads, kv_heads, head_dim):
+    """One launch = RoPE (reference) on q and k + the KV write at slot_mapping; -1 rows write nothing."""
+    from transformers import LlamaConfig
+    from attention.backends.torch_sdpa import write_kv
+    config = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         head_dim=head_dim, max_position_embeddings=64)
+    rotary = layers.RotaryEmbedding(config, 64).to(DEVICE)
+    g = torch.Generator().manual_seed(head_dim + heads)
+    tokens, block_size, num_blocks = 6, 4, 5
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(DEVICE, dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (t.reshape(tokens, -1, head_dim) for t in (q, k, v))   # strided views, as in the model
+    positions = torch.tensor([0, 5, 17, 3, 63, 0]).to(DEVICE)
+    slots = torch.tensor([2, 19, 7, -1, 12, -1]).to(DEVICE)          # two padded rows
+    sentinel = torch.full((2, num_blocks, block_size, kv_heads, head_dim), 7.0)
+    cache = sentinel.clone().to(DEVICE, dtype)
+    expected = sentinel.clone().to(DEVICE, dtype)
+
+    q_rot = fused_kernels.rope_and_cache(positions, q, k, v, rotary.cos_sin_cache, cache, slots)
+
+    q_ref, k_ref = rotary.reference(positions, q, k)
+    write_kv(k_ref, v, expected, slots)
+    _close(q_rot, q_ref, dtype)
+    _close(cache, expected, dtype)
+    assert (cache.float() == 7.0).sum() == (expected.float() == 7.0).sum()  # padded rows left the cache alone

@@ -61,7 +61,7 @@ def test_bfloat16_conversion_on_load(tmp_path):
     path, _ = make_tiny_checkpoint(tmp_path / "c", "llama_gqa")
     model = load_ours(path, dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    assert model.model.layers["0"].self_attn.rotary.cos_sin_cache.dtype == torch.float32
+    assert model.model.layers["0"].self_attn.attn.rotary.cos_sin_cache.dtype == torch.float32
 
 
 def test_dummy_load_needs_no_weights(tmp_path):

@@ -291,3 +291,75 @@ def test_backend_forward_writes_then_attends_and_profiles_without_cache():
     backend.forward(layer, b.query, key, value, out, None, metadata)
     assert torch.isfinite(out).all()
     _assert_causal_within_requests(b.query.cpu(), key.cpu(), value.cpu(), out.cpu(), qsl_cpu.tolist(), b.scale)
+
+
+def test_backend_skips_the_kv_write_the_layer_did_and_fits_splits_only_outside_full_graphs(monkeypatch):
+    """key/value None (written by the fused RoPE+KV kernel) -> no write_kv; the step's max_seq_len
+    reaches the split choice for eager calls only: a FULL graph must not freeze one step's value."""
+    from types import SimpleNamespace
+
+    from attention.backends import triton_paged
+    from attention.forward_context import ForwardContext, set_forward_context
+    from configs import CUDAGraphMode
+
+    calls = []
+    monkeypatch.setattr(triton_paged, "write_kv", lambda *a: calls.append("write_kv"))
+    monkeypatch.setattr(triton_paged, "unified_attention",
+                        lambda *a, max_seq_len=None: calls.append(("attention", max_seq_len)))
+    backend = triton_paged.TritonPagedBackend()
+    assert backend.kv_written_by_layer
+    metadata = SimpleNamespace(slot_mapping=None, query_start_loc=None, seq_lens=None, block_table=None,
+                               max_seq_len=77)
+    layer = SimpleNamespace(scale=1.0)
+    q = torch.zeros(1, 1, 4)
+    for mode, expected in [(CUDAGraphMode.NONE, 77), (CUDAGraphMode.PIECEWISE, 77), (CUDAGraphMode.FULL, None)]:
+        calls.clear()
+        with set_forward_context(ForwardContext(metadata, [q], backend, mode)):
+            backend.forward(layer, q, None, None, q, q, metadata)
+        assert calls == [("attention", expected)], mode
+    calls.clear()
+    backend.forward(layer, q, q, q, q, q, metadata)  # outside a forward: eager, writes the cache itself
+    assert calls == ["write_kv", ("attention", 77)]
+
+
+def test_attention_layer_uses_the_fused_rope_and_cache_write_when_the_backend_allows(monkeypatch):
+    """The layer hands the backend key/value None exactly when the rotary's fused kernel wrote them."""
+    from types import SimpleNamespace
+
+    from attention import layer as layer_module
+    from attention.forward_context import ForwardContext, set_forward_context
+
+    seen = []
+
+    class Backend:
+        kv_written_by_layer = True
+
+        def forward(self, layer, query, key, value, out, kv_cache, metadata):
+            seen.append((query.clone(), key, value, kv_cache))
+            out.copy_(query)
+
+    class Rotary(torch.nn.Module):
+        def __init__(self, fused_available):
+            super().__init__()
+            self.fused_available = fused_available
+
+        def rotate_and_cache(self, positions, q, k, v, kv_cache, slot_mapping):
+            return q + 1 if self.fused_available else None
+
+        def forward(self, positions, q, k):
+            return q + 2, k + 2
+
+    q, k, v = torch.zeros(2, 2, 4), torch.zeros(2, 1, 4), torch.zeros(2, 1, 4)
+    cache, metadata = torch.zeros(1), SimpleNamespace(slot_mapping=None)
+    for fused_available, kv_cached, backend_allows, q_shift, kv_passed in [
+            (True, True, True, 1, False), (False, True, True, 2, True),
+            (True, False, True, 2, True), (True, True, False, 2, True)]:
+        seen.clear()
+        Backend.kv_written_by_layer = backend_allows
+        attn = layer_module.Attention(2, 1, 4, cache_index=0, rotary=Rotary(fused_available))
+        context = ForwardContext(metadata, [cache] if kv_cached else None, Backend())
+        with set_forward_context(context):
+            out = attn(torch.zeros(2, dtype=torch.long), q, k, v)
+        query, key, value, _ = seen[0]
+        assert torch.equal(out, torch.full((2, 8), float(q_shift)))
+        assert (key is not None and value is not None) == kv_passed

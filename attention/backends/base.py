@@ -31,6 +31,9 @@ class AttentionBackend(abc.ABC):
 
     name: ClassVar[str]
     cudagraph_support: ClassVar[AttentionCGSupport]
+    kv_written_by_layer: ClassVar[bool] = False
+    """True if `forward` accepts key/value None, meaning the layer has already written this step's
+    (rotated) keys and values at metadata.slot_mapping, as the fused RoPE + KV-write kernel does."""
 
     def build_metadata(self, common: CommonAttentionMetadata) -> Any:
         """Backend metadata for one step; must only hold views of `common`'s tensors
@@ -41,5 +44,6 @@ class AttentionBackend(abc.ABC):
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 out: torch.Tensor, kv_cache: torch.Tensor | None, metadata: Any) -> None:
         """query [T, Hq, D], key/value [T, Hkv, D], out [T, Hq, D]. With a KV cache:
-        write key/value at metadata.slot_mapping (-1 skips), then attend over the cache.
+        write key/value at metadata.slot_mapping (-1 skips; key/value None: already written, see
+        `kv_written_by_layer`), then attend over the cache.
         Without one (profile run): causal attention within each request's new tokens."""

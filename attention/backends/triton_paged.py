@@ -1,9 +1,11 @@
-"""The Triton paged-attention backend (the CUDA default): KV write + one unified attention launch.
+"""The Triton paged-attention backend (the CUDA default): KV write + one unified attention launch
+(the KV write is usually done by the layer, fused with RoPE: `kv_written_by_layer`).
 
 It declares `ALWAYS` graph support because both launches have grids that depend only on padded
 shapes and read every per-step value (slots, query offsets, seq lens, block table) from the
 metadata tensors: a FULL graph captured for a BatchDescriptor replays any batch padded to it,
-prefill and mixed batches included. The split-KV count is chosen from padded shapes too.
+prefill and mixed batches included. Inside a FULL graph the split-KV count is chosen from padded
+shapes too.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from typing import Any, ClassVar
 import torch
 
 from attention.backends.base import AttentionBackend, AttentionCGSupport
+from attention.forward_context import current_runtime_mode
 from attention.kernels.kv_write import write_kv
 from attention.backends.torch_sdpa import TorchSDPABackend
 from attention.kernels.unified_attention import unified_attention
 from attention.metadata import CommonAttentionMetadata
+from configs.graph_mode import CUDAGraphMode
 
 
 _PROFILE_BACKEND = TorchSDPABackend()
@@ -25,6 +29,7 @@ _PROFILE_BACKEND = TorchSDPABackend()
 class TritonPagedBackend(AttentionBackend):
     name: ClassVar[str] = "triton"
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
+    kv_written_by_layer: ClassVar[bool] = True
 
     def build_metadata(self, common: CommonAttentionMetadata) -> CommonAttentionMetadata:
         """The kernels read the common tensors directly: nothing to derive, nothing to copy."""
@@ -36,6 +41,10 @@ class TritonPagedBackend(AttentionBackend):
             # Profile run (never captured): the torch reference's causal attention within requests.
             _PROFILE_BACKEND.forward(layer, query, key, value, out, None, metadata)
             return
-        write_kv(key, value, kv_cache, metadata.slot_mapping)
+        if key is not None:
+            write_kv(key, value, kv_cache, metadata.slot_mapping)
+        # A FULL graph freezes the launch, so only padded shapes may pick the split count; an eager
+        # call (NONE, or a PIECEWISE break) can fit it to this step's longest context.
+        frozen = current_runtime_mode() == CUDAGraphMode.FULL
         unified_attention(query, kv_cache, out, metadata.query_start_loc, metadata.seq_lens,
-                          metadata.block_table, layer.scale)
+                          metadata.block_table, layer.scale, max_seq_len=None if frozen else metadata.max_seq_len)

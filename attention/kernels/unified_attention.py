@@ -14,7 +14,7 @@ Layout of the work (the vLLM design):
   `cdiv(T, BLOCK_Q) + num_reqs` programs along axis 0 every request is covered, whatever its
   length. Programs that land past the last request zero the padded token rows of `out`, so
   those rows are finite (0) rather than stale.
-- Split-KV (flash decoding): with NUM_SPLITS > 1 each program takes a contiguous share of the
+- Split-KV (flash decoding): with num_splits > 1 each program takes a contiguous share of the
   KV tiles its q block needs and writes (max, sum, unnormalised acc) to scratch; a second kernel
   merges the splits. This buys parallelism for small batches with long contexts.
 Scores are kept in the log2 domain (scale * log2(e) folded in) so the softmax uses exp2.
@@ -24,6 +24,8 @@ raw 16-bit patterns (numpy has no bf16), so interpreted bf16 dots are wrong with
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -31,27 +33,30 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_reqs", "num_splits"])
 def attention_kernel(
     q_ptr, cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, block_table_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr,
-    scale_log2, num_tokens, num_reqs, num_q_heads,
+    scale_log2, num_tokens, num_reqs, num_q_heads, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_b, stride_c_s, stride_c_h, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, REQS_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, REQ_CHUNK: tl.constexpr,
+    SPLIT_KV: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    # Which request owns this q block: the last r whose first virtual block is <= q_block.
-    # Vectorised over all requests (one load) instead of a binary search of dependent loads.
-    reqs = tl.arange(0, REQS_PAD)
-    starts = tl.load(qsl_ptr + reqs, mask=reqs <= num_reqs, other=0) // BLOCK_Q + reqs
-    owned = (starts <= q_block) & (reqs <= num_reqs)
-    req = tl.sum(owned.to(tl.int32), axis=0) - 1
+    # Which request owns this q block: the last r whose first virtual block is <= q_block. The
+    # first virtual blocks grow with r, so the owners are a prefix: count them REQ_CHUNK at a time
+    # (vectorised loads, no dependent binary search, and no batch-size constexpr to recompile for).
+    owners = num_reqs * 0                          # an int32 scalar, like the sums added to it
+    for base in range(0, num_reqs + 1, REQ_CHUNK):
+        reqs = base + tl.arange(0, REQ_CHUNK)
+        starts = tl.load(qsl_ptr + reqs, mask=reqs <= num_reqs, other=0) // BLOCK_Q + reqs
+        owners += tl.sum(((starts <= q_block) & (reqs <= num_reqs)).to(tl.int32), axis=0)
+    req = owners - 1
     q_start = tl.load(qsl_ptr + req)
     local_block = q_block - (q_start // BLOCK_Q + req)
 
@@ -63,7 +68,7 @@ def attention_kernel(
 
     if req >= num_reqs:
         # Past the last request: zero padded token rows (with splits, the merge kernel does it).
-        if NUM_SPLITS == 1:
+        if not SPLIT_KV:
             tokens = (q_start // BLOCK_Q + local_block) * BLOCK_Q + q_off
             pad_ok = (q_off < BLOCK_Q) & (tokens >= q_start) & (tokens < num_tokens)
             dst = out_ptr + tokens.to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
@@ -88,7 +93,7 @@ def attention_kernel(
     # KV positions this q block needs, and this split's share of their tiles.
     kv_end = tl.minimum(context_len + (local_block + 1) * BLOCK_Q, seq_len)
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
@@ -120,22 +125,22 @@ def attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
-    if NUM_SPLITS == 1:
+    if not SPLIT_KV:
         result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         dst = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         tl.store(dst, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
     else:
-        part = (tokens * num_q_heads + heads) * NUM_SPLITS + split
+        part = (tokens * num_q_heads + heads) * num_splits + split
         tl.store(part_max_ptr + part, m_i, mask=row_ok)
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
         tl.store(part_acc_ptr + part[:, None] * D_PAD + dims[None, :], acc, mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
 def merge_splits_kernel(
     out_ptr, qsl_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-    num_reqs, num_q_heads, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    num_reqs, num_q_heads, num_splits, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
     """One program per (token row, query head): out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)."""
     token = tl.program_id(0).to(tl.int64)
@@ -146,8 +151,8 @@ def merge_splits_kernel(
         tl.store(dst, tl.zeros([D_PAD], dtype=out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
         return
     splits = tl.arange(0, SPLITS_PAD)
-    split_ok = splits < NUM_SPLITS
-    part = (token * num_q_heads + head) * NUM_SPLITS + splits
+    split_ok = splits < num_splits
+    part = (token * num_q_heads + head) * num_splits + splits
     m_s = tl.load(part_max_ptr + part, mask=split_ok, other=float("-inf"))
     l_s = tl.load(part_sum_ptr + part, mask=split_ok, other=0.0)
     acc_s = tl.load(part_acc_ptr + part[:, None] * D_PAD + dims[None, :], mask=split_ok[:, None], other=0.0)
@@ -159,20 +164,36 @@ def merge_splits_kernel(
 
 
 MAX_SPLITS = 16
+"""A power of two: the merge kernel reads all splits of a row as one MAX_SPLITS-wide vector."""
+REQ_CHUNK = 64
+"""Requests scanned per step of the owner search. Batch-dependent values (token and request
+counts, splits) are runtime arguments, never constexprs or specialised ints: every capture size
+then shares one compiled kernel per (model shape, split or not), so capturing 67 sizes does not
+JIT-compile dozens of variants on a cold Triton cache."""
 SPLIT_ROWS = 512
 """At most this many (token row x split) pairs: splits pay off for decode-like steps, where few
 programs would otherwise each stream a long context; big batches have parallelism already, and
 the scratch (rows x splits x Hq x D floats, 8 MiB for Llama-3-8B heads) stays small."""
 
 
-def default_num_splits(num_tokens: int, num_reqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """KV splits per q block, from padded shapes only (a graph replays whatever was chosen at
-    capture): enough (request, kv head, split) programs to give every SM about four. On an H100
-    (scripts/bench_attention.py, ctx 4096) this picks 16 / 8 / 2 splits for bs 1 / 8 / 32."""
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_num_splits(num_tokens: int, num_reqs: int, num_kv_heads: int, device: torch.device,
+                       max_seq_len: int | None = None) -> int:
+    """KV splits per q block: enough (request, kv head, split) programs to give every SM about
+    four. On an H100 (scripts/bench_attention.py, ctx 4096) this picks 16 / 8 / 2 splits for
+    bs 1 / 8 / 32. Inside a captured graph only padded shapes are known (the graph replays
+    whatever was chosen at capture); an eager call may pass the step's `max_seq_len`, and then
+    gets no more splits than KV tiles, so a short context skips the split scratch and the merge
+    launch (PIECEWISE runs attention eagerly, where each launch is host time)."""
     if device.type != "cuda" or num_reqs == 0:
         return 1
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = min(4 * num_sms // (num_reqs * num_kv_heads), MAX_SPLITS, SPLIT_ROWS // num_tokens)
+    wanted = min(4 * _num_sms(device) // (num_reqs * num_kv_heads), MAX_SPLITS, SPLIT_ROWS // num_tokens)
+    if max_seq_len is not None:
+        wanted = min(wanted, triton.cdiv(max_seq_len, launch_config(device)["BLOCK_N"]))
     return 1 << (wanted.bit_length() - 1) if wanted >= 2 else 1
 
 
@@ -193,11 +214,12 @@ def launch_config(device: torch.device) -> dict:
 
 def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                      scale: float, num_splits: int | None = None) -> None:
+                      scale: float, num_splits: int | None = None, max_seq_len: int | None = None) -> None:
     """Causal paged attention of query [T, Hq, D] over kv_cache [2, num_blocks, block_size, Hkv, D]
     into out [T, Hq, D]. Request r's queries are rows query_start_loc[r]:query_start_loc[r+1] and
     its KV is the first seq_lens[r] positions of its block_table row. Rows past
-    query_start_loc[-1] are set to 0. No host sync, no value-dependent allocation: capturable."""
+    query_start_loc[-1] are set to 0. No host sync, no value-dependent allocation: capturable.
+    `max_seq_len` (eager calls only: a graph would freeze it) lets the split count fit the step."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     num_reqs = seq_lens.shape[0]
@@ -215,7 +237,9 @@ def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Te
         out.zero_()
         return
     if num_splits is None:
-        num_splits = default_num_splits(num_tokens, num_reqs, num_kv_heads, query.device)
+        num_splits = default_num_splits(num_tokens, num_reqs, num_kv_heads, query.device, max_seq_len)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
     block_m, block_q = tile_sizes(num_q_heads, num_kv_heads)
     d_pad = triton.next_power_of_2(head_dim)
     grid = (triton.cdiv(num_tokens, block_q) + num_reqs, num_kv_heads, num_splits)
@@ -229,17 +253,16 @@ def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Te
     attention_kernel[grid](
         query, kv_cache, out, query_start_loc, seq_lens, block_table,
         part_acc, part_max, part_sum,
-        scale * LOG2E, num_tokens, num_reqs, num_q_heads,
+        scale * LOG2E, num_tokens, num_reqs, num_q_heads, num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=kv_cache.shape[2],
-        BLOCK_M=block_m, BLOCK_Q=block_q, REQS_PAD=triton.next_power_of_2(num_reqs + 1),
-        NUM_SPLITS=num_splits, DOT_FP32=query.device.type == "cpu", **launch_config(query.device),
+        BLOCK_M=block_m, BLOCK_Q=block_q, REQ_CHUNK=REQ_CHUNK,
+        SPLIT_KV=num_splits > 1, DOT_FP32=query.device.type == "cpu", **launch_config(query.device),
     )
     if num_splits > 1:
         merge_splits_kernel[(num_tokens, num_q_heads)](
             out, query_start_loc, part_acc, part_max, part_sum,
-            num_reqs, num_q_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=1 if d_pad <= 64 else 2,
+            num_reqs, num_q_heads, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=MAX_SPLITS, num_warps=1 if d_pad <= 64 else 2,
         )
