@@ -169,18 +169,15 @@ class ModelRunner:
 
     def measure_graph_reserve(self) -> int:
         """Bytes the graphs will take: the largest graph of each runtime mode captured once into a
-        throwaway pool (against a one-block scratch KV cache) and measured, plus what every other
-        graph keeps for itself: its output buffer (FULL: the persistent copy; PIECEWISE: the last
-        segment's output), which the shared pool cannot reuse across graphs."""
+        throwaway pool (against a one-block scratch KV cache) and measured. That is the whole
+        cost, not a sample of it: captures go largest first into one shared pool, every later
+        graph reuses the blocks the earlier ones freed, and no graph keeps an output of its own
+        (see `CUDAGraphWrapper`)."""
         if self.cudagraph_mode == CUDAGraphMode.NONE or self.device.type != "cuda":
             return 0
-        keys = self.dispatcher.all_keys_to_capture()
         largest = {}
-        for mode, desc in keys:
+        for mode, desc in self.dispatcher.all_keys_to_capture():
             largest.setdefault(mode, desc)
-        outputs = 1 if self.model.model.is_last else 2  # hidden states (+ residual between stages)
-        row_bytes = outputs * self.spec.hidden_size * self.dtype.itemsize
-        others = sum(-(-desc.num_tokens * row_bytes // 512) * 512 for mode, desc in keys if largest[mode] != desc)
 
         def capture_largest(pool) -> None:
             self._build_graph_wrappers(pool)
@@ -194,7 +191,7 @@ class ModelRunner:
             self.kv_caches = None
 
         try:
-            self.graph_reserve_bytes = measure_graph_memory(capture_largest, release=release) + others
+            self.graph_reserve_bytes = measure_graph_memory(capture_largest, release=release)
         finally:
             self.kv_caches = None
             self._build_graph_wrappers(graph_pool())

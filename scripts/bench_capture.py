@@ -1,12 +1,20 @@
 """Capture time and graph memory with the DEFAULT capture sizes, per graph mode.
 
     python scripts/bench_capture.py [--shape smollm2-135m] [--modes FULL_AND_PIECEWISE PIECEWISE FULL]
+        [--gpu-memory-utilization 0.5] [--cold] [--serve N] [--json F]
 
 Builds the engine as a user would (default capture sizes 1, 2, 4, 8, 16, 24, ... 512, default
 max_num_seqs 256), with dummy bf16 weights of the shape, and prints per mode: graphs captured,
 capture seconds, graph memory actually taken (growth of reserved memory during capture) and the
 estimate the KV budget subtracted (the largest graph of each runtime mode captured once into a
-throwaway pool), with their ratio.
+throwaway pool), with their ratio; also the growth after the first graph alone and the device-wide
+growth (driver allocations included).
+
+--cold points Triton at an empty cache directory first, as on a fresh machine: the first mode's
+start-up and capture then include compiling every kernel (later modes reuse them, as a second
+engine in one process would). --serve N runs N requests (prompts of 100-1000 random tokens, 64
+new tokens each, ignore_eos) through each engine after start-up and reports the peak memory
+reserved against the gpu_memory_utilization budget: the no-OOM check at high utilization.
 """
 
 from __future__ import annotations
@@ -14,6 +22,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import random
 import sys
 import tempfile
 import time
@@ -27,13 +37,36 @@ import torch  # noqa: E402
 from model_shapes import SHAPES, write_config  # noqa: E402
 
 
+def serve(llm, num_requests: int, utilization: float) -> dict:
+    """Serve a mixed workload after start-up; an OOM is reported, not raised (the table says so)."""
+    from configs import SamplingParams
+    rng = random.Random(0)
+    vocab = llm.engine.spec.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(100, 1000))] for _ in range(num_requests)]
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=64)
+    torch.cuda.reset_peak_memory_stats()
+    started, oom, tokens = time.perf_counter(), False, 0
+    try:
+        tokens = sum(len(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False))
+    except torch.OutOfMemoryError as error:
+        oom = f"OOM: {str(error).splitlines()[0]}"
+    total = torch.cuda.mem_get_info()[1]
+    return {"served": num_requests, "output_tokens": tokens, "serve_s": round(time.perf_counter() - started, 1),
+            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
+            "budget_gib": round(utilization * total / 2**30, 2), "oom": oom or "no"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
     parser.add_argument("--modes", nargs="+", default=["FULL_AND_PIECEWISE", "PIECEWISE", "FULL"], type=str.upper)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--cold", action="store_true", help="empty Triton cache (first mode compiles everything)")
+    parser.add_argument("--serve", type=int, default=0, help="requests to serve after start-up (0: none)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.cold:
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")
     from runner import LLM
     rows = []
     with tempfile.TemporaryDirectory() as folder:
@@ -49,19 +82,32 @@ def main() -> None:
                          "capture_s": round(summary.seconds, 2), "actual_mib": round(summary.pool_bytes / 2**20, 1),
                          "estimate_mib": round(estimate / 2**20, 1),
                          "estimate_over_actual": round(estimate / summary.pool_bytes, 3) if summary.pool_bytes else None,
+                         "first_graph_mib": round(summary.first_graph_bytes / 2**20, 1),
+                         "device_mib": round(summary.device_bytes / 2**20, 1),
                          "start_up_s": round(time.perf_counter() - started, 1),
+                         "cold": args.cold and mode == args.modes[0],
                          "kv_blocks": runner.num_blocks})
+            if args.serve:
+                rows[-1].update(serve(llm, args.serve, args.gpu_memory_utilization))
             llm.shutdown()
             del llm, runner
             gc.collect()
             torch.cuda.empty_cache()
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
-    print("| shape | mode | graphs | capture s | graph MiB (actual) | estimate MiB | estimate/actual | start-up s |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    if args.serve:
+        print("| mode | utilization | requests | output tokens | seconds | peak reserved GiB | budget GiB | OOM |")
+        print("|---|---:|---:|---:|---:|---:|---:|---|")
+        for r in rows:
+            print(f"| {r['mode']} | {args.gpu_memory_utilization} | {r['served']} | {r['output_tokens']} | "
+                  f"{r['serve_s']} | {r['peak_reserved_gib']} | {r['budget_gib']} | {r['oom']} |")
+    print("| shape | mode | graphs | capture s | cold | graph MiB (actual) | estimate MiB | estimate/actual | "
+          "after 1st graph MiB | device MiB | start-up s |")
+    print("|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['shape']} | {r['mode']} | {r['graphs']} | {r['capture_s']} | {r['actual_mib']} | "
-              f"{r['estimate_mib']} | {r['estimate_over_actual']} | {r['start_up_s']} |")
+        print(f"| {r['shape']} | {r['mode']} | {r['graphs']} | {r['capture_s']} | {r['cold']} | {r['actual_mib']} | "
+              f"{r['estimate_mib']} | {r['estimate_over_actual']} | {r['first_graph_mib']} | {r['device_mib']} | "
+              f"{r['start_up_s']} |")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Everything a GPU session checks, in one call on the device machine:
-#   bash scripts/gpu_suite.sh [tests|bench|pp|final|recheck|all]
+#   bash scripts/gpu_suite.sh [tests|bench|pp|final|recheck|probe|goals|all]
 # tests: the `cuda`-marked tests plus the Triton kernel tests compiled for the GPU;
 # bench: attention bandwidth, decode latency per graph mode vs HF and the memory floor,
 #        offline throughput, address-check cost; pp: the two-GPU pipeline tests;
 #        final: pp + tests + fused-kernel before/after decode latency + default-size capture;
-#        recheck: decode (with HF), default-size capture and throughput only.
+#        recheck: decode (with HF), default-size capture and throughput only;
+#        probe: GPU tests, cold capture + graph memory + serving at gpu_memory_utilization 0.95,
+#               kernel profiles of the SmolLM2 step, decode FULL/PIECEWISE, throughput;
+#        goals: the goal figures (decode per mode with HF, capture, throughput, profiles).
 # Logs go to $OUT/suite.log, figures to $OUT/*.json and $OUT/*.png; a short table comes last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -63,6 +66,23 @@ if [[ $STAGE == recheck ]]; then  # the goal figures again after a change, on th
     --json "$OUT/decode.json" --plot "$OUT/decode.png"
   step capture 50 python3 scripts/bench_capture.py --json "$OUT/capture.json"
   step throughput 60 python3 scripts/bench_throughput.py --json "$OUT/throughput.json"
+fi
+if [[ $STAGE == probe ]]; then
+  step cuda-tests 150 python3 -m pytest -q -p no:cacheprovider -m cuda -rA -s tests --deselect tests/test_pipeline.py
+  step kernel-tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_fused_kernels.py
+  step capture 150 python3 scripts/bench_capture.py --cold --gpu-memory-utilization 0.95 --serve 256 --json "$OUT/capture.json"
+  step profile-full 60 python3 scripts/profile_step.py --mode FULL --batch-size 1
+  step profile-pw 60 python3 scripts/profile_step.py --mode PIECEWISE --batch-size 1
+  step decode 120 python3 scripts/bench_decode.py --modes FULL PIECEWISE --batch-sizes 1 32 --warmup 3 --steps 15 \
+    --no-hf --no-plot --json "$OUT/decode.json"
+  step throughput 90 python3 scripts/bench_throughput.py --json "$OUT/throughput.json"
+fi
+if [[ $STAGE == goals ]]; then
+  step decode 150 python3 scripts/bench_decode.py --modes FULL PIECEWISE --warmup 3 --steps 15 --hf-max-batch 32 \
+    --json "$OUT/decode.json" --plot "$OUT/decode.png"
+  step capture 120 python3 scripts/bench_capture.py --cold --gpu-memory-utilization 0.95 --serve 256 --json "$OUT/capture.json"
+  step throughput 90 python3 scripts/bench_throughput.py --json "$OUT/throughput.json"
+  step profile-full 60 python3 scripts/profile_step.py --mode FULL --batch-size 1
 fi
 echo
 echo "| step         | result | time  |"

@@ -300,6 +300,24 @@ def test_full_output_is_persistent_for_dataclass_outputs():
     torch.testing.assert_close(out.hidden, expected(x, 2.0))
 
 
+def test_full_graphs_of_one_wrapper_share_their_output_buffers():
+    """Largest first: every later graph's output is a view [:rows] of the first one's buffers, so
+    the graphs together hold one output, not one each; a larger later output grows the buffers."""
+    phase = CapturePhase()
+    wrapper = CUDAGraphWrapper(lambda x: (toy_forward(x), x * 1), M.FULL, None, phase, False, FakeGraphForTests)
+    outs = {}
+    with phase.capturing():
+        for rows in (4, 2, 1, 8):
+            x = torch.randn(rows, 3)
+            with set_forward_context(_context(M.FULL, BD(rows, rows, True))):
+                outs[rows] = wrapper(x)
+            torch.testing.assert_close(outs[rows][0], expected(x, 2.0))
+            torch.testing.assert_close(outs[rows][1], x)
+    base = outs[4][0].data_ptr(), outs[4][1].data_ptr()
+    assert all((outs[n][0].data_ptr(), outs[n][1].data_ptr()) == base for n in (2, 1))
+    assert [o.shape[0] for o in outs[2]] == [2, 2] and outs[8][0].data_ptr() != base[0]
+
+
 # ---- capture phase -------------------------------------------------------------------------
 def test_capture_phase_freezes_gc_and_rejects_nesting():
     phase = CapturePhase()

@@ -64,7 +64,12 @@ class CaptureSummary:
     num_graphs: int
     seconds: float
     pool_bytes: int
-    """Growth of memory reserved by torch while capturing (0 on a CPU)."""
+    """Growth of memory reserved by torch while capturing (0 on a CPU): what the estimate predicts."""
+    first_graph_bytes: int = 0
+    """The same growth after the first (largest) graph only: the rest is what later graphs added."""
+    device_bytes: int = 0
+    """Growth of device memory in use by anyone (free memory the driver reports), which also counts
+    the driver's own allocations (graph executables, modules loaded on first launch)."""
 
 
 def _reserved() -> int:
@@ -74,18 +79,30 @@ def _reserved() -> int:
     return torch.cuda.memory_reserved()
 
 
+def _device_used() -> int:
+    if not _cuda_in_use():
+        return 0
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
 def capture_all(keys: Sequence[K], capture_one: Callable[[K], None], desc: str = "capturing CUDA graphs",
                 estimate_bytes: int | None = None) -> CaptureSummary:
     """Call `capture_one(key)` for each key in the given order (largest first, so the first
     capture sizes the shared pool and later ones reuse it), with a progress bar on a tty and
     one summary log line."""
-    started, before = time.perf_counter(), _reserved()
-    for key in tqdm(keys, desc=desc, unit="graph", disable=not sys.stderr.isatty()):
+    started, before, device_before = time.perf_counter(), _reserved(), _device_used()
+    first = 0
+    for i, key in enumerate(tqdm(keys, desc=desc, unit="graph", disable=not sys.stderr.isatty())):
         capture_one(key)
-    summary = CaptureSummary(len(keys), time.perf_counter() - started, max(0, _reserved() - before))
+        if i == 0:
+            first = max(0, _reserved() - before)
+    summary = CaptureSummary(len(keys), time.perf_counter() - started, max(0, _reserved() - before),
+                             first, max(0, _device_used() - device_before))
     estimate = "" if estimate_bytes is None else f" (estimate {estimate_bytes / 2**20:.1f} MiB)"
-    logger.info("captured %d CUDA graphs in %.2f s; graph memory %.1f MiB%s", summary.num_graphs,
-                summary.seconds, summary.pool_bytes / 2**20, estimate)
+    logger.info("captured %d CUDA graphs in %.2f s; graph memory %.1f MiB%s, %.1f MiB after the first graph, "
+                "device memory +%.1f MiB", summary.num_graphs, summary.seconds, summary.pool_bytes / 2**20, estimate,
+                summary.first_graph_bytes / 2**20, summary.device_bytes / 2**20)
     return summary
 
 

@@ -23,7 +23,7 @@ import torch
 from attention.forward_context import get_forward_context
 from configs.graph_mode import CUDAGraphMode
 from runner.cudagraph.addresses import AddressRecorder, debug_addresses_enabled
-from runner.cudagraph.breakable import CUDA_GRAPHS, BreakableCapture, GraphLike, _end_capture, capture_stream
+from runner.cudagraph.breakable import CUDA_GRAPHS, BreakableCapture, GraphLike, _alias, _end_capture, capture_stream
 from runner.cudagraph.capture import CapturePhase
 from runner.cudagraph.dispatcher import BatchDescriptor
 
@@ -59,8 +59,12 @@ class _Entry:
     graph: Any
     """A GraphLike (FULL) or a BreakableGraph (PIECEWISE)."""
     output: Any
-    """FULL: persistent buffers the graph copies its result into; PIECEWISE: the last segment's
-    output, allocated in the pool and kept alive so no later capture reuses its memory."""
+    """Where a replay leaves its result. FULL: views [:num_tokens] of the wrapper's shared output
+    buffers, which the graph copies its result into; PIECEWISE: a non-owning alias of the last
+    segment's output in the pool. Either way no graph keeps memory of its own for its output:
+    graphs replay one at a time and a step consumes its output before the next replay (vLLM
+    keeps only weak references to graph outputs for the same reason), so the graphs together
+    cost what the largest one does -- the figure the KV budget reserves."""
     recorder: AddressRecorder | None
 
 
@@ -76,6 +80,8 @@ class CUDAGraphWrapper:
         self.capture_phase, self.graph_factory = capture_phase, graph_factory
         self.address_check = debug_addresses_enabled(address_check)
         self._entries: dict[BatchDescriptor, _Entry] = {}
+        self._shared_output: list[torch.Tensor] = []
+        """FULL: one buffer per output tensor, as many rows as the largest output so far."""
         self.num_replays = 0
         """Calls served by replaying an already captured graph (the capturing call not counted)."""
         self.replays_by_descriptor: Counter[BatchDescriptor] = Counter()
@@ -121,13 +127,13 @@ class CUDAGraphWrapper:
         with capture_stream(self.graph_factory):
             warm = self.runnable(*args, **kwargs)
             if self.runtime_mode == CUDAGraphMode.FULL:
-                output = _map_tensors(torch.empty_like, warm)
+                output = self._output_views(warm)
                 del warm
                 graph = self._capture_full(output, args, kwargs)
             else:
                 del warm
                 with BreakableCapture(self.pool, self.graph_factory) as capture:
-                    output = self.runnable(*args, **kwargs)
+                    output = _map_tensors(_alias, self.runnable(*args, **kwargs))
                 graph = capture.graph
         recorder = None
         if self.address_check:
@@ -135,9 +141,20 @@ class CUDAGraphWrapper:
             recorder.record(**self._addressed(graph, context, args, kwargs))
         return _Entry(graph, output, recorder)
 
+    def _output_views(self, like: Any) -> Any:
+        """`like`'s structure as views [:rows] of the shared output buffers (outside the pool),
+        grown when a larger output comes (captures go largest first, so normally never)."""
+        tensors = _tensors(like)
+        if len(self._shared_output) != len(tensors) or any(
+                buf.shape[0] < t.shape[0] or buf.shape[1:] != t.shape[1:] or buf.dtype != t.dtype
+                for buf, t in zip(self._shared_output, tensors)):
+            self._shared_output = [torch.empty_like(t) for t in tensors]
+        views = iter([buf[:t.shape[0]] for buf, t in zip(self._shared_output, tensors)])
+        return _map_tensors(lambda _: next(views), like)
+
     def _capture_full(self, output: Any, args: tuple, kwargs: dict) -> GraphLike:
         """One graph for the whole forward; its result is copied, inside the graph, into
-        `output` (allocated outside the pool), so the pool's blocks all return to the pool
+        `output` (shared buffers outside the pool), so the pool's blocks all return to the pool
         for the next capture while the result stays at a fixed address."""
         graph = self.graph_factory()
         graph.capture_begin(pool=self.pool)
