@@ -1,14 +1,15 @@
 """Where one decode step's GPU time goes: the kernels of a replayed step, from the profiler.
 
     python scripts/profile_step.py [--shape smollm2-135m] [--mode FULL] [--batch-size 1] [--steps 10]
-        [--prompt-len 128] [--top 25]
+        [--prompt-len 128] [--top 25] [--host-profile]
 
 Builds the engine (dummy bf16 weights of the shape, graphs captured for --batch-size only), lets
 B requests reach decode, then records --steps decode steps with torch.profiler (CUDA activity:
 kernels inside replayed graphs are listed one by one). Prints, per step: kernel launches, the sum
 of kernel times (GPU busy), the GPU idle time in short gaps between kernels (launch gaps inside a
 step: what a small model's replayed step is made of besides kernels), and the top kernels by time
-with their count per step.
+with their count per step. --host-profile also runs the same steps under cProfile and prints the
+host functions by own time per step (what PIECEWISE's eager attention and a step's Python cost).
 """
 
 from __future__ import annotations
@@ -31,6 +32,25 @@ GAP_US = 50
 """Gaps shorter than this count as launch gaps inside a step; longer ones are host work between steps."""
 
 
+def host_profile(engine, steps: int, top: int) -> None:
+    import cProfile
+    import pstats
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    stats = pstats.Stats(profiler).sort_stats("tottime")
+    print(f"host functions by own time (cProfile, {steps} steps; per-step figures)")
+    print("| function | calls/step | own us/step | cumulative us/step |")
+    print("|---|---:|---:|---:|")
+    for (file, line, name), (_, calls, own, cumulative, _) in sorted(
+            stats.stats.items(), key=lambda kv: -kv[1][2])[:top]:
+        where = f"{Path(file).name}:{line}({name})"
+        print(f"| {where[:80]} | {calls / steps:.0f} | {own / steps * 1e6:.1f} | {cumulative / steps * 1e6:.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
@@ -39,6 +59,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--host-profile", action="store_true")
     args = parser.parse_args()
     from configs import SamplingParams
     from runner import LLM
@@ -60,6 +81,8 @@ def main() -> None:
             for _ in range(args.steps):
                 engine.step()
             torch.cuda.synchronize()
+        if args.host_profile:
+            host_profile(engine, args.steps, args.top)
         llm.shutdown()
 
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]

@@ -363,3 +363,19 @@ def test_attention_layer_uses_the_fused_rope_and_cache_write_when_the_backend_al
         query, key, value, _ = seen[0]
         assert torch.equal(out, torch.full((2, 8), float(q_shift)))
         assert (key is not None and value is not None) == kv_passed
+
+
+def test_split_count_from_padded_shapes_and_fitted_to_the_context_when_eager(monkeypatch):
+    """Graph launches (no max_seq_len) split for parallelism alone; an eager launch also needs
+    EAGER_TILES_PER_SPLIT KV tiles per split, so short contexts skip the merge launch."""
+    from attention.kernels import unified_attention as ua
+    monkeypatch.setattr(ua, "_num_sms", lambda device: 132)  # an H100
+    cuda = torch.device("cuda")
+    assert [ua.default_num_splits(b, b, 8, cuda) for b in (1, 8, 32, 128)] == [16, 8, 2, 1]
+    block_n = ua.launch_config(cuda)["BLOCK_N"]
+    per_split = ua.EAGER_TILES_PER_SPLIT * block_n
+    assert ua.default_num_splits(1, 1, 8, cuda, max_seq_len=140) == 1
+    assert ua.default_num_splits(1, 1, 8, cuda, max_seq_len=4 * per_split) == 4
+    assert ua.default_num_splits(1, 1, 8, cuda, max_seq_len=5 * per_split) == 4  # a power of two
+    assert ua.default_num_splits(1, 1, 8, cuda, max_seq_len=4096) == 16
+    assert ua.default_num_splits(1, 1, 8, torch.device("cpu"), max_seq_len=4096) == 1

@@ -170,6 +170,9 @@ REQ_CHUNK = 64
 counts, splits) are runtime arguments, never constexprs or specialised ints: every capture size
 then shares one compiled kernel per (model shape, split or not), so capturing 67 sizes does not
 JIT-compile dozens of variants on a cold Triton cache."""
+EAGER_TILES_PER_SPLIT = 4
+"""An eager call splits only contexts of at least this many KV tiles per split: below that the
+merge launch costs more host time (PIECEWISE: ~15 us) than the split saves on the GPU."""
 SPLIT_ROWS = 512
 """At most this many (token row x split) pairs: splits pay off for decode-like steps, where few
 programs would otherwise each stream a long context; big batches have parallelism already, and
@@ -187,13 +190,13 @@ def default_num_splits(num_tokens: int, num_reqs: int, num_kv_heads: int, device
     four. On an H100 (scripts/bench_attention.py, ctx 4096) this picks 16 / 8 / 2 splits for
     bs 1 / 8 / 32. Inside a captured graph only padded shapes are known (the graph replays
     whatever was chosen at capture); an eager call may pass the step's `max_seq_len`, and then
-    gets no more splits than KV tiles, so a short context skips the split scratch and the merge
-    launch (PIECEWISE runs attention eagerly, where each launch is host time)."""
+    gets a split only per EAGER_TILES_PER_SPLIT KV tiles, so a short context skips the split
+    scratch and the merge launch (PIECEWISE runs attention eagerly, where each launch is host time)."""
     if device.type != "cuda" or num_reqs == 0:
         return 1
     wanted = min(4 * _num_sms(device) // (num_reqs * num_kv_heads), MAX_SPLITS, SPLIT_ROWS // num_tokens)
     if max_seq_len is not None:
-        wanted = min(wanted, triton.cdiv(max_seq_len, launch_config(device)["BLOCK_N"]))
+        wanted = min(wanted, triton.cdiv(max_seq_len, launch_config(device)["BLOCK_N"]) // EAGER_TILES_PER_SPLIT)
     return 1 << (wanted.bit_length() - 1) if wanted >= 2 else 1
 
 
