@@ -133,3 +133,23 @@ def test_kv_required_model_survives_warm_up(tiny, monkeypatch):
     assert llm.engine.model_runner.cuda_graph_ready
     assert [o.token_ids for o in llm.generate(prompts[:3], GREEDY, use_tqdm=False)] == expected[:3]
     _release(llm)
+
+
+@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "PIECEWISE", "FULL"])
+def test_graph_memory_estimate_within_15_percent_at_default_sizes(tmp_path, mode):
+    """Issue 4's goal on a real shape: SmolLM2-135M (dummy bf16 weights), the default 67 capture
+    sizes; the reserve the KV budget subtracted vs the pool growth of the real capture."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from model_shapes import write_config
+    from runner import LLM
+    llm = LLM(model=str(write_config("smollm2-135m", tmp_path)), load_format="dummy", dtype="bfloat16",
+              cudagraph_mode=mode, gpu_memory_utilization=0.3, max_model_len=2048)
+    runner = llm.engine.model_runner
+    estimate, actual = runner.graph_reserve_bytes, runner.capture_summary.pool_bytes
+    print(f"{mode}: graphs={runner.capture_summary.num_graphs} estimate={estimate / 2**20:.1f} MiB "
+          f"actual={actual / 2**20:.1f} MiB ratio={estimate / actual:.3f}")
+    _release(llm)
+    assert runner.capture_summary.num_graphs > 60
+    assert abs(estimate - actual) <= 0.15 * actual

@@ -215,6 +215,16 @@ def launch_config(device: torch.device) -> dict:
     return dict(BLOCK_N=64, num_warps=4, num_stages=2)
 
 
+@functools.cache
+def _constexprs(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, device: torch.device) -> dict:
+    """The kernel's compile-time arguments, which depend on the model and device only: computed
+    once, not per call (an eager PIECEWISE step calls the kernel once per layer)."""
+    block_m, block_q = tile_sizes(num_q_heads, num_kv_heads)
+    return dict(GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
+                BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, REQ_CHUNK=REQ_CHUNK,
+                DOT_FP32=device.type == "cpu", **launch_config(device))
+
+
 def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                       scale: float, num_splits: int | None = None, max_seq_len: int | None = None) -> None:
@@ -243,9 +253,9 @@ def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Te
         num_splits = default_num_splits(num_tokens, num_reqs, num_kv_heads, query.device, max_seq_len)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
-    block_m, block_q = tile_sizes(num_q_heads, num_kv_heads)
-    d_pad = triton.next_power_of_2(head_dim)
-    grid = (triton.cdiv(num_tokens, block_q) + num_reqs, num_kv_heads, num_splits)
+    constexprs = _constexprs(num_q_heads, num_kv_heads, head_dim, kv_cache.shape[2], query.device)
+    d_pad = constexprs["D_PAD"]
+    grid = (triton.cdiv(num_tokens, constexprs["BLOCK_Q"]) + num_reqs, num_kv_heads, num_splits)
     if num_splits > 1:
         part_acc = torch.empty(num_tokens, num_q_heads, num_splits, d_pad, dtype=torch.float32,
                                device=query.device)
@@ -259,9 +269,7 @@ def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Te
         scale * LOG2E, num_tokens, num_reqs, num_q_heads, num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
-        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=kv_cache.shape[2],
-        BLOCK_M=block_m, BLOCK_Q=block_q, REQ_CHUNK=REQ_CHUNK,
-        SPLIT_KV=num_splits > 1, DOT_FP32=query.device.type == "cpu", **launch_config(query.device),
+        SPLIT_KV=num_splits > 1, **constexprs,
     )
     if num_splits > 1:
         merge_splits_kernel[(num_tokens, num_q_heads)](

@@ -4,7 +4,8 @@ the FULL/PIECEWISE wrappers, the capture phase and the debug address check."""
 from runner.cudagraph.addresses import (AddressMismatchError, AddressRecorder, check_addresses,
                                         debug_addresses_enabled, tensor_addresses)
 from runner.cudagraph.breakable import (CUDA_GRAPHS, BreakableCapture, BreakableGraph, BreakRecord,
-                                        CudaGraphFactory, GraphLike, active_capture, break_point)
+                                        CudaGraphFactory, GraphLike, active_capture, break_point,
+                                        prime_capture_stream)
 from runner.cudagraph.capture import (CapturePhase, CaptureSummary, capture_all, graph_pool,
                                       measure_graph_memory)
 from runner.cudagraph.dispatcher import BatchDescriptor, CudagraphDispatcher, default_capture_sizes
@@ -16,5 +17,5 @@ __all__ = [
     "BreakableGraph", "CUDAGraphWrapper", "CUDA_GRAPHS", "CaptureSummary", "CapturePhase", "CudaGraphFactory",
     "CudagraphDispatcher", "GraphLike", "active_capture", "break_point", "capture_all", "check_addresses",
     "debug_addresses_enabled", "default_capture_sizes", "graph_pool", "measure_graph_memory",
-    "resolve_cudagraph_mode", "tensor_addresses",
+    "prime_capture_stream", "resolve_cudagraph_mode", "tensor_addresses",
 ]
