@@ -13,7 +13,7 @@ from models.hf_config import load_hf_config, model_spec, resolve_max_model_len
 from runner.detokenizer import IncrementalDetokenizer
 from runner.outputs import RequestMetrics, RequestOutput
 from runner.platform import resolve_device, resolve_dtype
-from runner.request import Request
+from runner.request import Request, RequestStatus
 from runner.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -23,10 +23,11 @@ class InvalidRequestError(ValueError):
     """A request the engine refuses; raised by add_request before anything is queued."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _Tracked:
     request: Request
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None
+    """None without a tokenizer: there is no text to keep."""
     logprobs: list[dict[int, float]] | None
     metrics: RequestMetrics
 
@@ -145,7 +146,8 @@ class LLMEngine:
             self.scheduler.add_request(request)
         except ValueError as error:
             raise InvalidRequestError(f"request {request_id!r}: {error}") from error
-        detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
+        detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
+                                                                            params.stop)
         self._tracked[request_id] = _Tracked(request, detok, [] if params.logprobs is not None else None,
                                              RequestMetrics(arrival_time=time.monotonic()))
         return request_id
@@ -165,7 +167,7 @@ class LLMEngine:
         """One scheduler step and one forward; outputs of every request that got a token."""
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            if sched.finished_ids:
+            if sched.finished_ids or sched.preempted_ids:
                 self.executor.execute(sched)  # lets the runner drop per-request state (generators)
             return []
         try:
@@ -177,28 +179,35 @@ class LLMEngine:
         outputs = []
         for request in self.scheduler.update(result.sampled):
             tracked = self._tracked.get(request.request_id)
-            if tracked is None:
-                continue
-            if tracked.metrics.first_token_time is None:
-                tracked.metrics.first_token_time = now
-            if tracked.logprobs is not None and request.request_id in result.logprobs:
-                tracked.logprobs.append(result.logprobs[request.request_id])
-            stop = tracked.detokenizer.update(request.output_token_ids)
-            if stop is not None and not request.is_finished:
-                self.scheduler.finish_request(request.request_id, "stop", stop_reason=stop)
-            if request.is_finished:
-                tracked.metrics.finished_time = now
-                del self._tracked[request.request_id]
-            outputs.append(self._output(tracked))
+            if tracked is not None:
+                outputs.append(self._advance(tracked, result, now))
         return outputs
+
+    def _advance(self, tracked: _Tracked, result, now: float) -> RequestOutput:
+        """A request got a token: metrics, logprobs, text and stop strings, then its output."""
+        request, metrics = tracked.request, tracked.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        if tracked.logprobs is not None and request.request_id in result.logprobs:
+            tracked.logprobs.append(result.logprobs[request.request_id])
+        if tracked.detokenizer is not None:
+            stop = tracked.detokenizer.update(request.output_token_ids)
+            if stop is not None and request.status is not RequestStatus.FINISHED:
+                self.scheduler.finish_request(request.request_id, "stop", stop_reason=stop)
+        if request.status is RequestStatus.FINISHED:
+            metrics.finished_time = now
+            del self._tracked[request.request_id]
+        return self._output(tracked)
 
     def _output(self, tracked: _Tracked) -> RequestOutput:
         request = tracked.request
-        return RequestOutput(
-            request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
-            text=tracked.detokenizer.text, token_ids=list(request.output_token_ids),
-            finished=request.is_finished, finish_reason=request.finish_reason, stop_reason=request.stop_reason,
-            logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None, metrics=tracked.metrics)
+        tokens = request.output_token_ids  # only ever grows: the output copies its prefix when read
+        # Positional: keyword arguments would add a third to the cost of this per-request, per-step call.
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             tracked.detokenizer.text if tracked.detokenizer is not None else "",
+                             tokens, request.status is RequestStatus.FINISHED, request.finish_reason,
+                             request.stop_reason, tracked.logprobs[:] if tracked.logprobs is not None else None,
+                             tracked.metrics, None, len(tokens))
 
     def shutdown(self) -> None:
         self.executor.shutdown()

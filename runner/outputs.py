@@ -24,20 +24,53 @@ class RequestMetrics:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
 
-@dataclass
 class RequestOutput:
-    """One request's state after a step (cumulative: text and token_ids hold everything so far)."""
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None
-    """"stop" | "length" | "abort" once finished."""
-    stop_reason: str | int | None = None
-    """The stop string or token id that ended it, if any."""
-    logprobs: list[dict[int, float]] | None = None
-    metrics: RequestMetrics | None = None
-    error: str | None = None
-    """Why the request was rejected (finish_reason "abort"); the engine goes on serving others."""
+    """One request's state after a step (cumulative: text and token_ids hold everything so far).
+
+    The engine makes one per request per step, so it does not copy the request's tokens each
+    time (that costs O(length) per step, 10 µs a step at batch 32 and 200 tokens): it passes the
+    request's own list, which only ever grows, with its length at this step (`num_token_ids`),
+    and `token_ids` copies that prefix when first read. Given a plain list (no `num_token_ids`),
+    `token_ids` is that list."""
+
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "text", "finished", "finish_reason", "stop_reason",
+                 "logprobs", "metrics", "error", "_token_ids", "_num_token_ids")
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], text: str,
+                 token_ids: list[int], finished: bool, finish_reason: str | None = None,
+                 stop_reason: str | int | None = None, logprobs: list[dict[int, float]] | None = None,
+                 metrics: RequestMetrics | None = None, error: str | None = None,
+                 num_token_ids: int | None = None) -> None:
+        self.request_id, self.prompt, self.prompt_token_ids, self.text = request_id, prompt, prompt_token_ids, text
+        self._token_ids, self._num_token_ids = token_ids, num_token_ids
+        self.finished = finished
+        self.finish_reason = finish_reason
+        """"stop" | "length" | "abort" once finished."""
+        self.stop_reason = stop_reason
+        """The stop string or token id that ended it, if any."""
+        self.logprobs = logprobs
+        self.metrics = metrics
+        self.error = error
+        """Why the request was rejected (finish_reason "abort"); the engine goes on serving others."""
+
+    @property
+    def token_ids(self) -> list[int]:
+        if self._num_token_ids is not None:  # a prefix of a growing list: take it now
+            self._token_ids, self._num_token_ids = self._token_ids[:self._num_token_ids], None
+        return self._token_ids
+
+    @token_ids.setter
+    def token_ids(self, value: list[int]) -> None:
+        self._token_ids, self._num_token_ids = value, None
+
+    _FIELDS = ("request_id", "prompt", "prompt_token_ids", "text", "token_ids", "finished", "finish_reason",
+               "stop_reason", "logprobs", "metrics", "error")
+
+    def __eq__(self, other) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return all(getattr(self, name) == getattr(other, name) for name in self._FIELDS)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._FIELDS)
+        return f"RequestOutput({fields})"
