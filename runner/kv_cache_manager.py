@@ -7,13 +7,14 @@ silently hand one request another prompt's keys/values, and a digest is also the
 every process (pipeline ranks, restarts) while costing ~1 us per block.
 
 Blocks become cached only once their keys/values are really in the cache: the scheduler
-calls `cache_full_blocks(request)` right after it advances `num_computed_tokens` (in
-`Scheduler.update`), never at allocation time, when the step has not run yet.
+calls `cache_full_blocks(request)` right after it advances `num_computed_tokens` past a block
+boundary (in `Scheduler.update`), never at allocation time, when the step has not run yet.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import struct
 from collections.abc import Sequence
 
@@ -45,6 +46,7 @@ class KVCacheManager:
         """Tokens looked up (a request's length each time it is first scheduled)."""
         self.prefix_cache_hits = 0
         """Of those, tokens served from the cache."""
+        self._table_ids = itertools.count()
 
     @property
     def num_blocks(self) -> int:
@@ -95,9 +97,12 @@ class KVCacheManager:
         `computed_block_ids` are prefix-cache hits from `get_computed_blocks` (only for a request
         with an empty table); they are prepended and referenced. All or nothing: returns False
         and changes nothing when too few blocks are free. `num_computed_tokens` is not touched.
-        The first allocation of a (re)scheduled request records the prefix-cache query/hits.
+        The first allocation of a (re)scheduled request starts a new table: it gets a new
+        `block_table_id` and records the prefix-cache query/hits.
         """
         table = request.block_ids
+        if not computed_block_ids and request.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
+            return True  # the last block still has room: most decode steps end here
         if computed_block_ids and table:
             raise ValueError(f"request {request.request_id!r} already has blocks; "
                              "prefix-cache hits apply only to its first allocation")
@@ -107,10 +112,12 @@ class KVCacheManager:
         num_free_hits = sum(1 for b in computed_block_ids if self.pool.blocks[b].ref_count == 0)
         if num_needed > self.pool.num_free_blocks - num_free_hits:
             return False
-        if not table and self.enable_prefix_caching:
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += len(computed_block_ids) * self.block_size
-            self._num_cached_blocks[request.request_id] = len(computed_block_ids)
+        if not table:
+            request.block_table_id = next(self._table_ids)
+            if self.enable_prefix_caching:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += len(computed_block_ids) * self.block_size
+                self._num_cached_blocks[request.request_id] = len(computed_block_ids)
         self.pool.touch(computed_block_ids)
         table.extend(computed_block_ids)
         table.extend(self.pool.allocate(num_needed))

@@ -35,6 +35,7 @@ class Request:
     prompt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
+    """Only ever appended to: RequestOutputs keep a prefix of it instead of a copy."""
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     """Tokens whose keys/values are in the KV cache (prefix-cache hits included)."""
@@ -47,6 +48,16 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache when the request was last scheduled."""
+    block_table_id: int = -1
+    """Names the current `block_ids` list: the KV-cache manager gives each table it starts (first
+    admission, and again after a preemption freed the old one) a new number. A runner that keeps
+    block-table rows between steps can then tell a grown table from a new one."""
+    stop_token_ids: frozenset[int] = frozenset()
+    """Tokens that end the request once more than `min_tokens` are out: the params' stop ids, and
+    EOS unless ignored. Set by the scheduler on `add_request` (EOS is the model's)."""
+    max_output_tokens: int = 0
+    """The length limit as an output count: max_tokens, or what max_model_len leaves after the
+    prompt if that is less. Set by the scheduler on `add_request`."""
 
     def __post_init__(self) -> None:
         # A private copy: the caller's list must not grow or shrink under the scheduler.

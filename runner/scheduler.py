@@ -20,21 +20,22 @@ from runner.kv_cache_manager import KVCacheManager, cdiv
 from runner.request import FinishReason, Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:           # one request's share of a step
     request_id: str
     token_ids: list[int]          # tokens fed this step (prompt chunk, or the last sampled token)
     num_computed_tokens: int      # tokens already in the KV cache before this step (= first position)
-    block_ids: list[int]          # the request's whole block table
+    block_ids: list[int]          # the request's whole block table: its live list, not a copy (read it this step)
     sample: bool                  # True when this step yields the request's next token
     sampling_params: SamplingParams
     output_token_count: int       # tokens generated so far (for per-request seeded generators)
+    block_table_id: int = -1      # Request.block_table_id: same id, same table (grown at most); -1 = unknown
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
-    num_scheduled_tokens: int
+    num_scheduled_tokens: int     # >= len(scheduled): every scheduled request feeds at least one token
     preempted_ids: list[str]
     finished_ids: list[str]       # freed this step (abort / finished last step)
 
@@ -59,8 +60,10 @@ class Scheduler:
         self.num_preemptions = 0
         self._arrival = itertools.count()
         self._priority: dict[str, int] = {}
-        self._scheduled_tokens: dict[str, int] = {}
-        """request id -> tokens scheduled in the last schedule(), consumed by update()."""
+        self._step: list[tuple[Request, int, bool]] = []
+        """(request, tokens scheduled, samples) of the last schedule(), consumed by update()."""
+        self._step_sampling: set[str] = set()
+        """Ids of the requests the last schedule() expects a token from."""
         self._finished_ids: list[str] = []
         """Freed since the last schedule(); reported once so the runner drops their state."""
 
@@ -75,6 +78,9 @@ class Scheduler:
         if not self.config.enable_chunked_prefill and num_prompt > self.config.max_num_batched_tokens:
             raise ValueError(f"request {rid!r}: prompt of {num_prompt} tokens exceeds max_num_batched_tokens="
                              f"{self.config.max_num_batched_tokens} and chunked prefill is disabled")
+        params = request.sampling_params
+        request.stop_token_ids = frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)
+        request.max_output_tokens = min(params.max_tokens, self.max_model_len - num_prompt)
         request.status = RequestStatus.WAITING
         self.requests[rid] = request
         self._priority[rid] = next(self._arrival)
@@ -114,7 +120,7 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        if self._scheduled_tokens:
+        if self._step:
             raise RuntimeError("schedule() called again before update() consumed the previous step")
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
@@ -123,7 +129,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_tokens = request.num_tokens
+            num_new = min(num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, num_new):
                 if len(self.running) == 1:  # unreachable given the constructor's check
                     raise RuntimeError(f"request {request.request_id!r} does not fit in an empty KV cache")
@@ -133,7 +140,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled.append(self._entry(request, num_new))
+                scheduled.append(self._entry(request, num_new, num_tokens))
                 budget -= num_new
                 index += 1
                 continue
@@ -143,7 +150,8 @@ class Scheduler:
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hit_ids, num_cached = self.kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_cached
+            num_tokens = request.num_tokens
+            num_new = num_tokens - num_cached
             if num_new > budget:
                 # Chunking disabled: wait for a budget the whole prompt fits, except a preempted
                 # request grown past the budget, which recomputes in chunks or it would never run.
@@ -156,21 +164,23 @@ class Scheduler:
             request.num_computed_tokens = request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: self._priority[r.request_id])
-            scheduled.append(self._entry(request, num_new))
+            scheduled.append(self._entry(request, num_new, num_tokens))
             budget -= num_new
 
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(scheduled=scheduled, num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
                                preempted_ids=preempted, finished_ids=finished)
 
-    def _entry(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _entry(self, request: Request, num_new: int, num_tokens: int) -> ScheduledRequest:
+        """The request's share of the step, remembered for update()."""
         start = request.num_computed_tokens
-        self._scheduled_tokens[request.request_id] = num_new
-        return ScheduledRequest(
-            request_id=request.request_id, token_ids=request.token_ids_slice(start, start + num_new),
-            num_computed_tokens=start, block_ids=list(request.block_ids),
-            sample=start + num_new == request.num_tokens, sampling_params=request.sampling_params,
-            output_token_count=request.num_output_tokens)
+        sample = start + num_new == num_tokens
+        self._step.append((request, num_new, sample))
+        if sample:
+            self._step_sampling.add(request.request_id)
+        return ScheduledRequest(request.request_id, request.token_ids_slice(start, start + num_new), start,
+                                request.block_ids, sample, request.sampling_params,
+                                len(request.output_token_ids), request.block_table_id)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -184,55 +194,68 @@ class Scheduler:
         """The last scheduled step failed before producing results: forget it. Nothing advanced
         (num_computed_tokens moves only in update), blocks stay with their requests, so the
         next schedule() hands out the same work again."""
-        self._scheduled_tokens = {}
+        self._step, self._step_sampling = [], set()
 
     def update(self, sampled) -> list[Request]:
         """Apply a step's results: `sampled` is {request id: token} or a ModelRunnerOutput.
 
         Every request scheduled last step advances by its scheduled tokens (non-final prefill
         chunks too); those that sampled get the token and a stop check, and finished ones free
-        their blocks now. Returns the requests that got a token, finished or not.
+        their blocks now. Requests finished or aborted from outside since schedule() are skipped.
+        Returns the requests that got a token, finished or not.
         """
         sampled = getattr(sampled, "sampled", sampled)
-        # Requests aborted or finished from outside since schedule() are skipped.
-        live = {rid: (self.requests[rid], n) for rid, n in self._scheduled_tokens.items()
-                if rid in self.requests and self.requests[rid].status is RequestStatus.RUNNING}
-        expected = {rid for rid, (r, n) in live.items() if r.num_computed_tokens + n == r.num_tokens}
-        unexpected = set(sampled) - expected - (self._scheduled_tokens.keys() - live.keys())
-        if expected - set(sampled) or unexpected:
-            raise RuntimeError(f"sampled tokens do not match the schedule: missing "
-                               f"{sorted(expected - set(sampled))}, not expected {sorted(unexpected)}")
-        self._scheduled_tokens = {}
+        if sampled.keys() != self._step_sampling:
+            self._check_sampled(sampled)
+        step, self._step, self._step_sampling = self._step, [], set()
+        block_size, caching = self.kv.block_size, self.kv.enable_prefix_caching
         updated: list[Request] = []
-        for rid, (request, num_tokens) in live.items():
-            request.num_computed_tokens += num_tokens
-            self.kv.cache_full_blocks(request)
-            if rid not in expected:
+        for request, num_new, sample in step:
+            if request.status is not RequestStatus.RUNNING:
                 continue
-            token = sampled[rid]
-            request.output_token_ids.append(token)
+            start = request.num_computed_tokens
+            request.num_computed_tokens = start + num_new
+            if caching and (start + num_new) // block_size != start // block_size:
+                self.kv.cache_full_blocks(request)  # a block filled up: blocks fill only at a boundary
+            if not sample:
+                continue
+            token = sampled[request.request_id]
+            outputs = request.output_token_ids
+            outputs.append(token)
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
-            stop = self._stop(request, token)
-            if stop is not None:
-                self.running.remove(request)
-                self._finish(request, *stop)
+            if token in request.stop_token_ids or len(outputs) >= request.max_output_tokens:
+                stop = self._stop(request, token)
+                if stop is not None:
+                    self.running.remove(request)
+                    self._finish(request, *stop)
             updated.append(request)
         return updated
+
+    def _check_sampled(self, sampled: dict[str, int]) -> None:
+        """The runner's tokens must be exactly those the live requests of the step expect; tokens
+        of requests finished or aborted since schedule() may be there or not."""
+        live = {request.request_id for request, _, _ in self._step if request.status is RequestStatus.RUNNING}
+        expected = self._step_sampling & live
+        gone = {request.request_id for request, _, _ in self._step} - live
+        missing, unexpected = expected - sampled.keys(), sampled.keys() - expected - gone
+        if missing or unexpected:
+            raise RuntimeError(f"sampled tokens do not match the schedule: missing "
+                               f"{sorted(missing)}, not expected {sorted(unexpected)}")
 
     def _stop(self, request: Request, token: int) -> tuple[FinishReason, int | None] | None:
         """Why the request ends with this token, if it does.
 
         A stop token or EOS counts only after `min_tokens` other tokens (the sampler masks
         them before that, as vLLM does; this check keeps the rule if it did not).
+        `update` asks only when the token is in `request.stop_token_ids` or the length limit
+        is reached, which is when this can return a reason.
         """
         params = request.sampling_params
-        if request.num_output_tokens > params.min_tokens:
-            if token in params.stop_token_ids:
-                return "stop", token
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return "stop", None
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        num_output = len(request.output_token_ids)
+        if num_output > params.min_tokens and token in request.stop_token_ids:
+            return "stop", (token if token in params.stop_token_ids else None)
+        if num_output >= request.max_output_tokens:
             return "length", None
         return None
 

@@ -30,6 +30,48 @@ BS = 4
 MAX_REQS, MAX_BLOCKS = 6, 8
 
 
+def test_new_table_ids_after_preemption():
+    """A table keeps its id while it grows; a preempted request comes back with a new one."""
+    # 6 blocks of 4: two requests growing to 6 + 12 tokens cannot both stay (b is preempted).
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4),
+                      CacheConfig(block_size=BS, enable_prefix_caching=False), 6, 24, {2})
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    for rid in "ab":
+        sched.add_request(Request(request_id=rid, prompt_token_ids=[7] * 6, sampling_params=params))
+    seen: dict[str, list[tuple[int, list[int], int]]] = {"a": [], "b": []}
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        for s in out.scheduled:
+            seen[s.request_id].append((s.block_table_id, list(s.block_ids), s.num_computed_tokens))
+        sched.update({s.request_id: 9 for s in out.scheduled if s.sample})
+    assert len({table_id for table_id, _, _ in seen["a"]}) == 1
+    b_ids = [table_id for table_id, _, _ in seen["b"]]
+    restarts = [i for i in range(1, len(b_ids)) if b_ids[i] != b_ids[i - 1]]
+    assert restarts and sched.num_preemptions == len(restarts)
+    for i in restarts:
+        assert seen["b"][i][2] == 0  # recomputed from scratch: a new table
+    for (id0, blocks0, _), (id1, blocks1, _) in zip(seen["b"], seen["b"][1:]):
+        if id0 == id1:
+            assert blocks1[:len(blocks0)] == blocks0  # same id: the same table, grown at most
+
+
+def test_update_skips_requests_aborted_after_schedule():
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), CacheConfig(block_size=BS),
+                      64, 64, {2})
+    for rid in "ab":
+        sched.add_request(Request(request_id=rid, prompt_token_ids=[3, 4], sampling_params=SamplingParams()))
+    sched.schedule()
+    sched.abort_request("a")
+    assert [r.request_id for r in sched.update({"a": 5, "b": 6})] == ["b"]  # a's token may come back
+    sched.schedule()
+    sched.abort_request("b")
+    assert sched.update({}) == []                                           # or not
+    with pytest.raises(RuntimeError, match="not expected"):
+        sched.add_request(Request(request_id="c", prompt_token_ids=[3], sampling_params=SamplingParams()))
+        sched.schedule()
+        sched.update({"c": 1, "zzz": 2})
+
+
 @pytest.mark.parametrize("tokenizer_name", ["byte", "smollm2"])
 def test_incremental_detokenizer_matches_whole_decode(tokenizer_name):
     if tokenizer_name == "byte":
