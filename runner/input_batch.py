@@ -3,9 +3,15 @@
 CUDA graphs read their inputs from fixed addresses, so the runner never hands the model
 a freshly allocated tensor: `prepare` fills host (pinned on CUDA) numpy views, copies the
 used prefix to the device buffers, and returns views `[:padded]` of them.
+
+`prepare` runs every step, so it is written for the host time it costs: whole-batch numpy
+operations instead of per-request Python, a shorter path for uniform decode batches, tensor
+views made once per size, and block-table rows rewritten only when a request's table changed.
 """
 
 from __future__ import annotations
+
+from itertools import chain, repeat
 
 import numpy as np
 import torch
@@ -21,11 +27,21 @@ class _Buffer:
         self.cpu = torch.full(shape, fill, dtype=dtype, pin_memory=pin)
         self.np = self.cpu.numpy()
         self.gpu = self.cpu if device.type == "cpu" else torch.full(shape, fill, dtype=dtype, device=device)
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def views(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(host, device) views `[:n]`, made once per size: slicing a tensor costs about a
+        microsecond, and a step asks for a dozen of them."""
+        views = self._views.get(n)
+        if views is None:
+            views = self._views[n] = (self.cpu[:n], self.gpu[:n])
+        return views
 
     def upload(self, n: int) -> torch.Tensor:
+        host, device = self.views(n)
         if self.gpu is not self.cpu:
-            self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
-        return self.gpu[:n]
+            device.copy_(host, non_blocking=True)
+        return device
 
 
 class InputBatch:
@@ -39,69 +55,110 @@ class InputBatch:
         self.query_start_loc = _Buffer((max_num_reqs + 1,), torch.int32, device)
         self.seq_lens = _Buffer((max_num_reqs,), torch.int32, device)
         self.block_table = _Buffer((max_num_reqs, max_blocks_per_req), torch.int32, device)
-        self.num_computed = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_computed = _Buffer((max_num_reqs,), torch.int32, torch.device("cpu"))
+        self._arange = np.arange(max(max_num_tokens, max_num_reqs) + 1, dtype=np.int64)
+        # What each block-table row holds: which table (None: not a known one) and how many of
+        # its entries; every entry past those is 0 (the buffer starts zeroed).
+        self._row_table_ids: list[int | None] = [None] * max_num_reqs
+        self._row_num_blocks = [0] * max_num_reqs
 
     def prepare(self, token_ids: list[list[int]], num_computed: list[int], block_ids: list[list[int]],
                 padded_tokens: int, padded_reqs: int, slots_enabled: bool = True,
-                ) -> CommonAttentionMetadata:
+                block_table_ids: list[int] | None = None) -> CommonAttentionMetadata:
         """Fill the buffers for requests with these new tokens, context lengths and block tables.
 
         Padded token rows get slot -1 and request index -1; padded requests get query length 0
-        and seq_len 0. `slots_enabled=False` marks every row inert (graph capture warm-up)."""
+        and seq_len 0. `slots_enabled=False` marks every row inert (graph capture warm-up).
+        `block_table_ids` name the tables (`Request.block_table_id`) so that rows already
+        holding them are only extended; without them every row is written whole."""
         num_reqs = len(token_ids)
         if num_reqs > padded_reqs or padded_reqs > self.max_num_reqs:
             raise ValueError(f"{num_reqs} requests padded to {padded_reqs} exceed max_num_seqs {self.max_num_reqs}")
-        query_lens = np.fromiter((len(t) for t in token_ids), dtype=np.int64, count=num_reqs)
-        num_tokens = int(query_lens.sum())
+        num_tokens = sum(map(len, token_ids))
         if num_tokens > padded_tokens or padded_tokens > self.max_num_tokens:
             raise ValueError(f"{num_tokens} tokens padded to {padded_tokens} exceed {self.max_num_tokens}")
-        starts = np.asarray(num_computed, dtype=np.int64)
-        qsl = self.query_start_loc.np
-        qsl[0] = 0
-        np.cumsum(query_lens, out=qsl[1:num_reqs + 1])
-        qsl[num_reqs + 1:padded_reqs + 1] = num_tokens
-        self.seq_lens.np[:num_reqs] = starts + query_lens
-        self.seq_lens.np[num_reqs:padded_reqs] = 0
-        self.num_computed[:num_reqs] = starts
-        self.num_computed[num_reqs:padded_reqs] = 0
-        table = self.block_table.np
-        for row, blocks in enumerate(block_ids):
-            table[row, :len(blocks)] = blocks
-        table[num_reqs:padded_reqs] = 0
-
-        req_index = np.repeat(np.arange(num_reqs, dtype=np.int64), query_lens)
-        offsets = np.arange(num_tokens, dtype=np.int64) - qsl[req_index]
-        positions = starts[req_index] + offsets
-        self.input_ids.np[:num_tokens] = np.fromiter((t for ids in token_ids for t in ids), np.int64, num_tokens)
-        self.positions.np[:num_tokens] = positions
+        self._write_block_table(block_ids, block_table_ids, padded_reqs)
+        starts = self.num_computed.np[:num_reqs]
+        starts[:] = num_computed
+        positions, seq_lens = self.positions.np[:num_tokens], self.seq_lens.np[:num_reqs]
+        uniform_decode = num_tokens == num_reqs > 0  # every request feeds >= 1 token: here each feeds one
+        if uniform_decode:  # token i is request i's only token, at position num_computed[i]
+            req_index = self._arange[:num_reqs]
+            self.query_start_loc.np[:num_reqs + 1] = self._arange[:num_reqs + 1]
+            positions[:] = starts
+            np.add(starts, 1, out=seq_lens)
+            self.input_ids.np[:num_tokens] = [ids[0] for ids in token_ids]
+            max_query_len = 1
+        else:
+            query_lens = np.fromiter(map(len, token_ids), dtype=np.int64, count=num_reqs)
+            qsl = self.query_start_loc.np
+            qsl[0] = 0
+            np.cumsum(query_lens, out=qsl[1:num_reqs + 1])
+            req_index = np.repeat(self._arange[:num_reqs], query_lens)
+            positions[:] = starts[req_index] + (self._arange[:num_tokens] - qsl[req_index])
+            np.add(starts, query_lens, out=seq_lens)
+            self.input_ids.np[:num_tokens] = np.fromiter(chain.from_iterable(token_ids), np.int64, num_tokens)
+            max_query_len = int(query_lens.max()) if num_reqs else 0
         self.token_request_index.np[:num_tokens] = req_index
         if slots_enabled:
-            blocks = table[req_index, positions // self.block_size].astype(np.int64)
-            self.slot_mapping.np[:num_tokens] = blocks * self.block_size + positions % self.block_size
+            block_index, offset = np.divmod(positions, self.block_size)
+            blocks = self.block_table.np[req_index, block_index].astype(np.int64)
+            np.add(blocks * self.block_size, offset, out=self.slot_mapping.np[:num_tokens])
         else:
             self.slot_mapping.np[:num_tokens] = -1
-        for buffer, fill in ((self.input_ids, 0), (self.positions, 0), (self.slot_mapping, -1),
-                             (self.token_request_index, -1)):
-            buffer.np[num_tokens:padded_tokens] = fill
+        if padded_reqs > num_reqs:
+            self.query_start_loc.np[num_reqs + 1:padded_reqs + 1] = num_tokens
+            self.seq_lens.np[num_reqs:padded_reqs] = 0
+            self.num_computed.np[num_reqs:padded_reqs] = 0
+        if padded_tokens > num_tokens:
+            for buffer, fill in ((self.input_ids, 0), (self.positions, 0), (self.slot_mapping, -1),
+                                 (self.token_request_index, -1)):
+                buffer.np[num_tokens:padded_tokens] = fill
 
         common = CommonAttentionMetadata(
             query_start_loc=self.query_start_loc.upload(padded_reqs + 1),
-            query_start_loc_cpu=self.query_start_loc.cpu[:padded_reqs + 1],
+            query_start_loc_cpu=self.query_start_loc.views(padded_reqs + 1)[0],
             seq_lens=self.seq_lens.upload(padded_reqs),
-            seq_lens_cpu=self.seq_lens.cpu[:padded_reqs],
-            num_computed_tokens_cpu=torch.from_numpy(self.num_computed[:padded_reqs]),
+            seq_lens_cpu=self.seq_lens.views(padded_reqs)[0],
+            num_computed_tokens_cpu=self.num_computed.views(padded_reqs)[0],
             block_table=self.block_table.upload(padded_reqs),
             slot_mapping=self.slot_mapping.upload(padded_tokens),
             token_request_index=self.token_request_index.upload(padded_tokens),
             num_reqs=padded_reqs,
             num_actual_tokens=num_tokens,
-            max_query_len=int(query_lens.max()) if num_reqs else 0,
-            max_seq_len=int(self.seq_lens.np[:num_reqs].max()) if num_reqs else 0,
-            uniform_decode=bool(num_reqs) and bool((query_lens == 1).all()),
+            max_query_len=max_query_len,
+            max_seq_len=int(seq_lens.max()) if num_reqs else 0,
+            uniform_decode=uniform_decode,
         )
         self.input_ids.upload(padded_tokens)
         self.positions.upload(padded_tokens)
         return common
 
+    def _write_block_table(self, block_ids: list[list[int]], table_ids: list[int] | None, padded_reqs: int) -> None:
+        """Bring rows [0, padded_reqs) up to date, writing only what changed.
+
+        A table only grows while it keeps its id, so a row that already holds the request's
+        table gets just the blocks appended since (in decode: nothing, except once per
+        block_size steps). A different table in the row (the batch shifted after a request
+        finished, a new or resumed request) is written whole and the row's old tail zeroed, so
+        unused entries stay 0. Padded rows are zeroed."""
+        table = self.block_table.np
+        row_ids, row_lens = self._row_table_ids, self._row_num_blocks
+        for row, (blocks, table_id) in enumerate(zip(block_ids, table_ids or repeat(-1))):
+            num_blocks, written = len(blocks), row_lens[row]
+            if table_id == row_ids[row] and num_blocks >= written:  # the same table, perhaps grown
+                if num_blocks > written:
+                    table[row, written:num_blocks] = blocks[written:]
+            else:
+                table[row, :num_blocks] = blocks
+                if written > num_blocks:
+                    table[row, num_blocks:written] = 0
+                row_ids[row] = table_id if table_id >= 0 else None
+            row_lens[row] = num_blocks
+        for row in range(len(block_ids), padded_reqs):
+            if row_lens[row]:
+                table[row, :row_lens[row]] = 0
+            row_ids[row], row_lens[row] = None, 0
+
     def model_inputs(self, padded_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.input_ids.gpu[:padded_tokens], self.positions.gpu[:padded_tokens]
+        return self.input_ids.views(padded_tokens)[1], self.positions.views(padded_tokens)[1]

@@ -215,8 +215,9 @@ class ModelRunner:
         """The graph decision; a pure function of the broadcast step, so every pipeline rank agrees."""
         if not self.cuda_graph_ready:
             return CUDAGraphMode.NONE, None
-        uniform = all(len(r.token_ids) == 1 for r in sched.scheduled)
-        return self.dispatcher.dispatch(sched.num_scheduled_tokens, len(sched.scheduled), uniform)
+        num_reqs = len(sched.scheduled)
+        uniform = sched.num_scheduled_tokens == num_reqs  # every request feeds >= 1 token, so each feeds one
+        return self.dispatcher.dispatch(sched.num_scheduled_tokens, num_reqs, uniform)
 
     def prepare(self, sched: SchedulerOutput):
         mode, desc = self.dispatch(sched)
@@ -224,7 +225,8 @@ class ModelRunner:
         padded_tokens = desc.num_tokens if desc is not None else sched.num_scheduled_tokens
         padded_reqs = max(len(reqs), desc.num_reqs) if desc is not None and mode == CUDAGraphMode.FULL else len(reqs)
         common = self.input_batch.prepare([r.token_ids for r in reqs], [r.num_computed_tokens for r in reqs],
-                                             [r.block_ids for r in reqs], padded_tokens, padded_reqs)
+                                          [r.block_ids for r in reqs], padded_tokens, padded_reqs,
+                                          block_table_ids=[r.block_table_id for r in reqs])
         return mode, desc, padded_tokens, common
 
     def padded_num_tokens(self, sched: SchedulerOutput) -> int:
@@ -251,7 +253,7 @@ class ModelRunner:
         rows = [i for i, r in enumerate(reqs) if r.sample]
         if not rows:
             return ModelRunnerOutput({})
-        if common.uniform_decode:  # row i's one token is hidden row i: no gather, no index upload
+        if common.uniform_decode and len(rows) == len(reqs):  # row i's one token is hidden row i: no gather
             logits = self.model.compute_logits(hidden[:len(reqs)])
         else:
             last_token = common.query_start_loc_cpu[torch.tensor(rows) + 1].long() - 1
@@ -259,7 +261,7 @@ class ModelRunner:
         params = [reqs[i].sampling_params for i in rows]
         if all(p.temperature == 0.0 and p.logprobs is None for p in params):
             token_ids = logits.argmax(dim=-1).tolist()  # the common greedy case: no sampling metadata
-            return ModelRunnerOutput({reqs[i].request_id: token_ids[row] for row, i in enumerate(rows)})
+            return ModelRunnerOutput(dict(zip([reqs[i].request_id for i in rows], token_ids)))
         generators = {}
         for row, i in enumerate(rows):
             seed = reqs[i].sampling_params.seed

@@ -30,6 +30,88 @@ BS = 4
 MAX_REQS, MAX_BLOCKS = 6, 8
 
 
+def expected_buffers(token_ids, num_computed, block_ids, padded_reqs):
+    """The step's inputs computed directly from their definitions."""
+    table = np.zeros((padded_reqs, MAX_BLOCKS), dtype=np.int32)
+    for row, blocks in enumerate(block_ids):
+        table[row, :len(blocks)] = blocks
+    positions = [start + i for start, ids in zip(num_computed, token_ids) for i in range(len(ids))]
+    rows = [row for row, ids in enumerate(token_ids) for _ in ids]
+    slots = [block_ids[r][p // BS] * BS + p % BS for r, p in zip(rows, positions)]
+    lens = [len(ids) for ids in token_ids]
+    return table, positions, rows, slots, np.cumsum([0] + lens), [s + n for s, n in zip(num_computed, lens)]
+
+
+@st.composite
+def step_sequences(draw):
+    """Steps over a few requests whose tables grow, get replaced (preemption) or are unnamed (-1)."""
+    next_id, tables, steps = 0, {}, []
+    for _ in range(draw(st.integers(1, 12))):
+        names = draw(st.lists(st.integers(0, 7), min_size=1, max_size=MAX_REQS, unique=True))
+        batch = []
+        for name in names:
+            table_id, blocks = tables.get(name, (None, []))
+            if table_id is None or draw(st.integers(0, 5)) == 0:  # new request, or preempted and back
+                table_id, blocks = next_id, []
+                next_id += 1
+            blocks = blocks + draw(st.lists(st.integers(0, 50), max_size=2))
+            blocks = blocks or [draw(st.integers(0, 50))]
+            blocks = blocks[:MAX_BLOCKS]
+            tables[name] = (table_id, blocks)
+            capacity = len(blocks) * BS
+            num_new = draw(st.integers(1, min(capacity, 5)))
+            start = draw(st.integers(0, capacity - num_new))
+            named = table_id if draw(st.integers(0, 7)) else -1
+            batch.append((draw(st.lists(st.integers(0, 99), min_size=num_new, max_size=num_new)), start,
+                          list(blocks), named))
+        padded = draw(st.integers(len(batch), MAX_REQS))
+        steps.append((batch, padded))
+    return steps
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps=step_sequences())
+def test_input_batch_incremental_block_table_matches_scratch(steps):
+    batch = InputBatch(64, MAX_REQS, MAX_BLOCKS, BS, torch.device("cpu"))
+    for requests, padded_reqs in steps:
+        token_ids, num_computed, block_ids, table_ids = (list(x) for x in zip(*requests))
+        num_tokens = sum(map(len, token_ids))
+        common = batch.prepare(token_ids, num_computed, block_ids, num_tokens + 2, padded_reqs,
+                               block_table_ids=table_ids)
+        table, positions, rows, slots, qsl, seq_lens = expected_buffers(token_ids, num_computed, block_ids,
+                                                                        padded_reqs)
+        assert (common.block_table.numpy() == table).all()
+        assert common.slot_mapping.tolist() == slots + [-1, -1]
+        assert common.token_request_index.tolist() == rows + [-1, -1]
+        assert batch.positions.np[:num_tokens].tolist() == positions
+        assert batch.input_ids.np[:num_tokens].tolist() == [t for ids in token_ids for t in ids]
+        n = len(requests)
+        assert common.query_start_loc.tolist() == qsl.tolist() + [num_tokens] * (padded_reqs - n)
+        assert common.seq_lens.tolist() == seq_lens + [0] * (padded_reqs - n)
+        assert common.num_computed_tokens_cpu.tolist() == num_computed + [0] * (padded_reqs - n)
+        assert common.uniform_decode == (num_tokens == n)
+        assert common.max_seq_len == max(seq_lens) and common.max_query_len == max(map(len, token_ids))
+
+
+def test_input_batch_rows_follow_the_tables():
+    """The cases by name: grown in place, shifted up after a request left, replaced in the same row."""
+    batch = InputBatch(16, 3, MAX_BLOCKS, BS, torch.device("cpu"))
+
+    def step(*requests):  # (table_id, blocks) per row, one decode token each at the table's last slot
+        common = batch.prepare([[1]] * len(requests), [len(b) * BS - 1 for _, b in requests],
+                               [b for _, b in requests], len(requests), 3, block_table_ids=[t for t, _ in requests])
+        return common.block_table.numpy().tolist()
+
+    assert step((0, [5, 6]), (1, [7])) == [[5, 6, 0, 0, 0, 0, 0, 0], [7] + [0] * 7, [0] * 8]
+    assert step((0, [5, 6, 9]), (1, [7])) == [[5, 6, 9, 0, 0, 0, 0, 0], [7] + [0] * 7, [0] * 8]
+    # Request 0 finished: request 1's table moves up to row 0, row 1 is padding now.
+    assert step((1, [7, 8])) == [[7, 8] + [0] * 6, [0] * 8, [0] * 8]
+    # Request 1 was preempted and comes back with a new, shorter table (new id) in the same row.
+    assert step((2, [3])) == [[3] + [0] * 7, [0] * 8, [0] * 8]
+    # The same table content under the old id is no shortcut: a new id is written whole.
+    assert step((3, [3]), (4, [1, 2])) == [[3] + [0] * 7, [1, 2] + [0] * 6, [0] * 8]
+
+
 def test_new_table_ids_after_preemption():
     """A table keeps its id while it grows; a preempted request comes back with a new one."""
     # 6 blocks of 4: two requests growing to 6 + 12 tokens cannot both stay (b is preempted).
@@ -114,3 +196,36 @@ def test_request_output_is_a_snapshot():
     assert out == same and "token_ids=[1, 2]" in repr(out)
     same.token_ids = [4]
     assert same.token_ids == [4] and out != same
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    path, _ = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama_gqa", with_tokenizer=False)
+    return path
+
+
+def test_uniform_batch_ending_in_a_one_token_chunk(tiny_path):
+    """Budget 2: request a (1-token prompt) samples while b's prompt goes in 1-token chunks, so
+    the batch is uniform (2 tokens, 2 requests) but only row 0 samples: the logits and the
+    sampling metadata must cover the sampling rows only (seeded random sampling, same tokens
+    as without the budget)."""
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=4, ignore_eos=True)
+    llm = LLM(model=str(tiny_path), dtype="float32", device="cpu", max_num_batched_tokens=2, max_num_seqs=2)
+    small = [o.token_ids for o in llm.generate([[7], [5, 6, 7, 8]], params, use_tqdm=False)]
+    alone = [o.token_ids for o in LLM(model=str(tiny_path), dtype="float32", device="cpu").generate(
+        [[7], [5, 6, 7, 8]], params, use_tqdm=False)]
+    assert small == alone and all(len(t) == 4 for t in small)
+
+
+def test_bench_host_smoke(tmp_path, capsys):
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import bench_host
+    out = tmp_path / "host.json"
+    result = bench_host.main(["--batch-sizes", "1", "3", "--steps", "3", "--warmup", "1", "--repeats", "2",
+                              "--tokenizer", "none", "--json", str(out)])
+    rows = result["rows"]
+    assert [r["batch_size"] for r in rows] == [1, 3] and all(0 < r["host_ms"] < r["step_ms"] for r in rows)
+    assert all(len(r["host_ms_repeats"]) == 2 for r in rows)
+    assert "| none | 3 |" in capsys.readouterr().out
