@@ -37,11 +37,11 @@ class _Buffer:
             views = self._views[n] = (self.cpu[:n], self.gpu[:n])
         return views
 
-    def upload(self, n: int) -> torch.Tensor:
-        host, device = self.views(n)
+    def upload(self, n: int) -> None:
+        """Copy rows [:n] to the device (nothing to do on a CPU, where both are one tensor)."""
         if self.gpu is not self.cpu:
+            host, device = self.views(n)
             device.copy_(host, non_blocking=True)
-        return device
 
 
 class InputBatch:
@@ -56,6 +56,10 @@ class InputBatch:
         self.seq_lens = _Buffer((max_num_reqs,), torch.int32, device)
         self.block_table = _Buffer((max_num_reqs, max_blocks_per_req), torch.int32, device)
         self.num_computed = _Buffer((max_num_reqs,), torch.int32, torch.device("cpu"))
+        self.on_device = device.type != "cpu"
+        """Host buffers are copied to separate device ones (on a CPU they are the same tensors)."""
+        self._request_view_cache: dict[int, dict[str, torch.Tensor]] = {}
+        self._token_view_cache: dict[int, dict[str, torch.Tensor]] = {}
         self._arange = np.arange(max(max_num_tokens, max_num_reqs) + 1, dtype=np.int64)
         # What each block-table row holds: which table (None: not a known one) and how many of
         # its entries; every entry past those is 0 (the buffer starts zeroed).
@@ -78,34 +82,11 @@ class InputBatch:
         if num_tokens > padded_tokens or padded_tokens > self.max_num_tokens:
             raise ValueError(f"{num_tokens} tokens padded to {padded_tokens} exceed {self.max_num_tokens}")
         self._write_block_table(block_ids, block_table_ids, padded_reqs)
-        starts = self.num_computed.np[:num_reqs]
-        starts[:] = num_computed
-        positions, seq_lens = self.positions.np[:num_tokens], self.seq_lens.np[:num_reqs]
         uniform_decode = num_tokens == num_reqs > 0  # every request feeds >= 1 token: here each feeds one
-        if uniform_decode:  # token i is request i's only token, at position num_computed[i]
-            req_index = self._arange[:num_reqs]
-            self.query_start_loc.np[:num_reqs + 1] = self._arange[:num_reqs + 1]
-            positions[:] = starts
-            np.add(starts, 1, out=seq_lens)
-            self.input_ids.np[:num_tokens] = [ids[0] for ids in token_ids]
-            max_query_len = 1
+        if uniform_decode:
+            max_query_len, max_seq_len = 1, self._fill_decode(token_ids, num_computed, block_ids, slots_enabled)
         else:
-            query_lens = np.fromiter(map(len, token_ids), dtype=np.int64, count=num_reqs)
-            qsl = self.query_start_loc.np
-            qsl[0] = 0
-            np.cumsum(query_lens, out=qsl[1:num_reqs + 1])
-            req_index = np.repeat(self._arange[:num_reqs], query_lens)
-            positions[:] = starts[req_index] + (self._arange[:num_tokens] - qsl[req_index])
-            np.add(starts, query_lens, out=seq_lens)
-            self.input_ids.np[:num_tokens] = np.fromiter(chain.from_iterable(token_ids), np.int64, num_tokens)
-            max_query_len = int(query_lens.max()) if num_reqs else 0
-        self.token_request_index.np[:num_tokens] = req_index
-        if slots_enabled:
-            block_index, offset = np.divmod(positions, self.block_size)
-            blocks = self.block_table.np[req_index, block_index].astype(np.int64)
-            np.add(blocks * self.block_size, offset, out=self.slot_mapping.np[:num_tokens])
-        else:
-            self.slot_mapping.np[:num_tokens] = -1
+            max_query_len, max_seq_len = self._fill_mixed(token_ids, num_computed, num_tokens, slots_enabled)
         if padded_reqs > num_reqs:
             self.query_start_loc.np[num_reqs + 1:padded_reqs + 1] = num_tokens
             self.seq_lens.np[num_reqs:padded_reqs] = 0
@@ -115,24 +96,85 @@ class InputBatch:
                                  (self.token_request_index, -1)):
                 buffer.np[num_tokens:padded_tokens] = fill
 
-        common = CommonAttentionMetadata(
-            query_start_loc=self.query_start_loc.upload(padded_reqs + 1),
-            query_start_loc_cpu=self.query_start_loc.views(padded_reqs + 1)[0],
-            seq_lens=self.seq_lens.upload(padded_reqs),
-            seq_lens_cpu=self.seq_lens.views(padded_reqs)[0],
-            num_computed_tokens_cpu=self.num_computed.views(padded_reqs)[0],
-            block_table=self.block_table.upload(padded_reqs),
-            slot_mapping=self.slot_mapping.upload(padded_tokens),
-            token_request_index=self.token_request_index.upload(padded_tokens),
-            num_reqs=padded_reqs,
-            num_actual_tokens=num_tokens,
-            max_query_len=max_query_len,
-            max_seq_len=int(seq_lens.max()) if num_reqs else 0,
-            uniform_decode=uniform_decode,
-        )
-        self.input_ids.upload(padded_tokens)
-        self.positions.upload(padded_tokens)
-        return common
+        if self.on_device:
+            for buffer, n in ((self.query_start_loc, padded_reqs + 1), (self.seq_lens, padded_reqs),
+                              (self.block_table, padded_reqs), (self.slot_mapping, padded_tokens),
+                              (self.token_request_index, padded_tokens), (self.input_ids, padded_tokens),
+                              (self.positions, padded_tokens)):
+                buffer.upload(n)
+        return CommonAttentionMetadata(**self._request_views(padded_reqs), **self._token_views(padded_tokens),
+                                       num_reqs=padded_reqs, num_actual_tokens=num_tokens,
+                                       max_query_len=max_query_len, max_seq_len=max_seq_len,
+                                       uniform_decode=uniform_decode)
+
+    def _request_views(self, padded_reqs: int) -> dict[str, torch.Tensor]:
+        """The request-level tensors of the metadata, sliced once per size."""
+        views = self._request_view_cache.get(padded_reqs)
+        if views is None:
+            qsl_cpu, qsl = self.query_start_loc.views(padded_reqs + 1)
+            seq_lens_cpu, seq_lens = self.seq_lens.views(padded_reqs)
+            views = self._request_view_cache[padded_reqs] = dict(
+                query_start_loc=qsl, query_start_loc_cpu=qsl_cpu, seq_lens=seq_lens, seq_lens_cpu=seq_lens_cpu,
+                num_computed_tokens_cpu=self.num_computed.views(padded_reqs)[0],
+                block_table=self.block_table.views(padded_reqs)[1])
+        return views
+
+    def _token_views(self, padded_tokens: int) -> dict[str, torch.Tensor]:
+        """The token-level tensors of the metadata, sliced once per size."""
+        views = self._token_view_cache.get(padded_tokens)
+        if views is None:
+            views = self._token_view_cache[padded_tokens] = dict(
+                slot_mapping=self.slot_mapping.views(padded_tokens)[1],
+                token_request_index=self.token_request_index.views(padded_tokens)[1])
+        return views
+
+    def _fill_decode(self, token_ids: list[list[int]], num_computed: list[int], block_ids: list[list[int]],
+                     slots_enabled: bool) -> int:
+        """One token per request (token i is request i's, at position num_computed[i]): the
+        per-request lists go straight into the buffers. For a batch of decodes a few list
+        conversions cost less than the dozen numpy operations of the general path.
+        Returns max_seq_len."""
+        num_reqs, bs = len(token_ids), self.block_size
+        self.input_ids.np[:num_reqs] = [ids[0] for ids in token_ids]
+        self.positions.np[:num_reqs] = num_computed
+        self.num_computed.np[:num_reqs] = num_computed
+        self.seq_lens.np[:num_reqs] = [start + 1 for start in num_computed]
+        self.query_start_loc.np[:num_reqs + 1] = self._arange[:num_reqs + 1]
+        self.token_request_index.np[:num_reqs] = self._arange[:num_reqs]
+        if slots_enabled:
+            self.slot_mapping.np[:num_reqs] = [blocks[pos // bs] * bs + pos % bs
+                                               for blocks, pos in zip(block_ids, num_computed)]
+        else:
+            self.slot_mapping.np[:num_reqs] = -1
+        return max(num_computed) + 1
+
+    def _fill_mixed(self, token_ids: list[list[int]], num_computed: list[int], num_tokens: int,
+                    slots_enabled: bool) -> tuple[int, int]:
+        """Any batch (prefill chunks, decodes): whole-batch numpy over the token rows, slots
+        read through the block table. Returns (max_query_len, max_seq_len)."""
+        num_reqs = len(token_ids)
+        starts = self.num_computed.np[:num_reqs]
+        starts[:] = num_computed
+        query_lens = np.fromiter(map(len, token_ids), dtype=np.int64, count=num_reqs)
+        qsl = self.query_start_loc.np
+        qsl[0] = 0
+        np.cumsum(query_lens, out=qsl[1:num_reqs + 1])
+        req_index = np.repeat(self._arange[:num_reqs], query_lens)
+        positions = starts[req_index] + (self._arange[:num_tokens] - qsl[req_index])
+        self.positions.np[:num_tokens] = positions
+        seq_lens = self.seq_lens.np[:num_reqs]
+        np.add(starts, query_lens, out=seq_lens)
+        self.input_ids.np[:num_tokens] = np.fromiter(chain.from_iterable(token_ids), np.int64, num_tokens)
+        self.token_request_index.np[:num_tokens] = req_index
+        if slots_enabled:
+            block_index, offset = np.divmod(positions, self.block_size)
+            blocks = self.block_table.np[req_index, block_index].astype(np.int64)
+            np.add(blocks * self.block_size, offset, out=self.slot_mapping.np[:num_tokens])
+        else:
+            self.slot_mapping.np[:num_tokens] = -1
+        if not num_reqs:
+            return 0, 0
+        return int(query_lens.max()), int(seq_lens.max())
 
     def _write_block_table(self, block_ids: list[list[int]], table_ids: list[int] | None, padded_reqs: int) -> None:
         """Bring rows [0, padded_reqs) up to date, writing only what changed.
