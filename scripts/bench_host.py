@@ -26,8 +26,10 @@ large enough never to finish) are prefilled, `--warmup` decode steps are discard
 of each repeat, then the median over `--repeats` repeats (the machine may be shared: medians
 resist other processes' bursts). `--tokenizer none`: the checkpoint has no tokenizer (no
 detokenization, as when token ids are served); `smollm2`: SmolLM2's tokenizer files (from the
-embedded model, built on first use), so the incremental detokenizer runs every step; the
-decoded text grows with the step count, hence the output length is part of the setup.
+embedded model, built on first use), so the incremental detokenizer runs every step. A random
+model repeats one token forever, often a lone byte that never decodes, which no served model
+does; so with a tokenizer the sampled tokens are replaced (inside the excluded sampling region)
+by the tokens of a real text, `TEXT`, each request at its own offset.
 
 `--profile` then runs `--steps` more decode steps of `--profile-batch-size` under cProfile and
 prints the top functions by own time (forward included: look for the host functions).
@@ -60,6 +62,38 @@ SMALL_VOCAB = 512
 """The vocabulary without a tokenizer (prompts use ids 100..499)."""
 BLOCK_SIZE = 16
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+TEXT = ("The old lighthouse keeper climbed the spiral stairs every evening, counting the steps out of habit: "
+        "one hundred and twelve. From the lamp room he could see the harbour, the café on the quay, the naïve "
+        "tourists photographing gulls, and far out, the ferry to Île-d'Yeu. He wrote in his log — wind west, "
+        "sea moderate, visibility good — and, since nobody read it, a line of verse now and then. "
+        "Tonight: 灯台 (lighthouse), a word his granddaughter taught him, and a small 🌊 for the tide.\n")
+"""Stands in for the model's choices when a tokenizer is on (English, some accents, CJK, an emoji)."""
+
+
+class TextTokens:
+    """Replaces the sampled tokens by those of `TEXT`, request by request, in a loop."""
+
+    def __init__(self, runner, tokenizer) -> None:
+        self.tokens = tokenizer.encode(TEXT, add_special_tokens=False)
+        self.position: dict[str, int] = {}
+        self.runner, self.sample = runner, runner.sample
+
+        def sample(*args, **kwargs):
+            result = self.sample(*args, **kwargs)
+            result.sampled = {request_id: self._next(request_id) for request_id in result.sampled}
+            return result
+
+        runner.sample = sample
+
+    def _next(self, request_id: str) -> int:
+        position = self.position.get(request_id, 7 * len(self.position))
+        self.position[request_id] = position + 1
+        return self.tokens[position % len(self.tokens)]
+
+    def restore(self) -> None:
+        self.runner.sample = self.sample
 
 
 @dataclass
@@ -122,6 +156,7 @@ def timed_steps(engine, marks: StepMarks, clock: Clock, batch_size: int, count: 
 
 def bench_batch(engine, tokenizer: str, batch_size: int, args) -> Row:
     clock = Clock(torch.device("cpu"))
+    text = TextTokens(engine.model_runner, engine.tokenizer) if engine.tokenizer is not None else None
     ids = start_decoding(engine, batch_size, args, f"bs{batch_size}")
     marks = StepMarks(clock, engine.model_runner)
     host_repeats, steps_all, inner_all = [], [], []
@@ -136,6 +171,8 @@ def bench_batch(engine, tokenizer: str, batch_size: int, args) -> Row:
             inner_all += inner_ms
     finally:
         marks.restore()
+        if text is not None:
+            text.restore()
         for request_id in ids:
             engine.abort_request(request_id)
         engine.step()  # lets the runner drop the aborted requests' state
@@ -148,6 +185,7 @@ def bench_batch(engine, tokenizer: str, batch_size: int, args) -> Row:
 def profile(engine, args) -> None:
     import cProfile
     import pstats
+    text = TextTokens(engine.model_runner, engine.tokenizer) if engine.tokenizer is not None else None
     ids = start_decoding(engine, args.profile_batch_size, args, "profile")
     for _ in range(args.warmup):
         engine.step()
@@ -156,6 +194,8 @@ def profile(engine, args) -> None:
     for _ in range(args.steps):
         engine.step()
     profiler.disable()
+    if text is not None:
+        text.restore()
     for request_id in ids:
         engine.abort_request(request_id)
     engine.step()

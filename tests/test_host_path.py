@@ -170,13 +170,16 @@ def test_incremental_detokenizer_matches_whole_decode(tokenizer_name):
     texts = ["Héllo wörld 你好 🎉 plain ascii", "日本語のテキスト。", " spaces  and\nnewlines"]
     sequences = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
     sequences += [torch.randint(0, vocab, (40,), generator=generator).tolist() for _ in range(20)]
+    held = 0
     for skip in (True, False):
         for ids in sequences:
             detok = IncrementalDetokenizer(tokenizer, skip, [])
-            assert detok._stream is not None  # both are fast tokenizers: the incremental path runs
+            assert detok._stream is not None and detok._byte_level  # both take the incremental path
             for i in range(len(ids)):
                 assert detok.update(ids[:i + 1]) is None
                 assert detok.text == tokenizer.decode(ids[:i + 1], skip_special_tokens=skip).rstrip("\ufffd")
+                held += detok._num_emitted < i + 1
+    assert held > 10  # the held-back path (unfinished characters, skipped specials) ran
 
 
 def test_detokenizer_stop_string_found_across_tokens():
