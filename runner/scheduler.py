@@ -126,15 +126,17 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
 
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+        running, kv, index = self.running, self.kv, 0
+        while index < len(running) and budget > 0:
+            request = running[index]
             num_tokens = request.num_tokens
-            num_new = min(num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request, num_new):
-                if len(self.running) == 1:  # unreachable given the constructor's check
+            num_new = num_tokens - request.num_computed_tokens
+            if num_new > budget:
+                num_new = budget
+            while not kv.allocate_slots(request, num_new):
+                if len(running) == 1:  # unreachable given the constructor's check
                     raise RuntimeError(f"request {request.request_id!r} does not fit in an empty KV cache")
-                victim = self.running.pop()  # the latest arrival
+                victim = running.pop()  # the latest arrival
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
