@@ -186,6 +186,9 @@ class InputBatch:
         unused entries stay 0. Padded rows are zeroed."""
         table = self.block_table.np
         row_ids, row_lens = self._row_table_ids, self._row_num_blocks
+        num_reqs = len(block_ids)
+        if table_ids == row_ids[:num_reqs] and list(map(len, block_ids)) == row_lens[:num_reqs]:
+            block_ids = ()  # every row holds its table already (most decode steps): two list compares
         for row, (blocks, table_id) in enumerate(zip(block_ids, table_ids or repeat(-1))):
             num_blocks, written = len(blocks), row_lens[row]
             if table_id == row_ids[row] and num_blocks >= written:  # the same table, perhaps grown
@@ -197,7 +200,7 @@ class InputBatch:
                     table[row, num_blocks:written] = 0
                 row_ids[row] = table_id if table_id >= 0 else None
             row_lens[row] = num_blocks
-        for row in range(len(block_ids), padded_reqs):
+        for row in range(num_reqs, padded_reqs):
             if row_lens[row]:
                 table[row, :row_lens[row]] = 0
             row_ids[row], row_lens[row] = None, 0
