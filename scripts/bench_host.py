@@ -16,12 +16,18 @@ What it measures: `host ms`, with the definition of scripts/bench_decode.py (sam
 are built) and `sampled` just after its `sample` returned the tokens to the host. So the
 forward and the logits + sampling are excluded; everything else in the step is in.
 
+What it does not show: the GPU path's own host costs (the host-to-device copies of the step's
+inputs, a few µs each) and the GPU machine's CPU. Before the host-path work the same code
+measured 0.82-0.94 ms at batch 32 on the H100 machine's host (docs/PERFORMANCE.md) and
+0.41-0.43 ms here: read this bench's figures as about half of what that host will show.
+
 Setup: the SmolLM2-135M shape cut to one tiny layer (hidden 16) with random (`load_format=
 "dummy"`) fp32 weights. Without a tokenizer the vocabulary is cut to 512 tokens too, so the
 (excluded) forward evicts little of the CPU caches, as a GPU forward would not; with SmolLM2's
 tokenizer it must stay 49152 tokens, and the logits (6 MB at batch 32) flush the caches, which
-makes that variant's host figures pessimistic. B requests of `--prompt-len` tokens (greedy, ignore_eos, max_tokens
-large enough never to finish) are prefilled, `--warmup` decode steps are discarded, then
+makes that variant's host figures pessimistic. B requests of `--prompt-len` tokens (greedy,
+ignore_eos, max_tokens large enough never to finish) are prefilled, `--warmup` decode steps are
+discarded, then
 `--steps` decode steps are timed (every one a uniform decode batch of B). Median over the steps
 of each repeat, then the median over `--repeats` repeats (the machine may be shared: medians
 resist other processes' bursts). `--tokenizer none`: the checkpoint has no tokenizer (no
@@ -57,7 +63,7 @@ from model_shapes import write_config  # noqa: E402
 
 TINY_OVERRIDES = dict(num_hidden_layers=1, hidden_size=16, intermediate_size=16, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=8)
-"""The SmolLM2 shape cut down so the forward is cheap (it is excluded anyway) but the vocabulary is real."""
+"""The SmolLM2 shape cut down so the forward is cheap (it is excluded anyway)."""
 SMALL_VOCAB = 512
 """The vocabulary without a tokenizer (prompts use ids 100..499)."""
 BLOCK_SIZE = 16
