@@ -1,16 +1,31 @@
 """Engine vs HF transformers generate on a CPU: 32 prompts x 64 new tokens, same run, printed ratio.
 
-    python scripts/bench_cpu.py [--model default] [--prompts 32] [--tokens 64] [--threads N]
+    python scripts/bench_cpu.py [--model default] [--prompts 32] [--tokens 64] [--repeats 3]
+                                [--threads N] [--warm-prefix-cache] [--json out.json]
 
-Both sides: fp32, greedy, ignore EOS (every request makes exactly --tokens tokens). HF runs the
-whole batch in one left-padded `generate` call with its KV cache, which is its fastest offline
-path; the engine runs `LLM.generate` with continuous batching and the paged KV cache.
+Both sides: fp32, greedy, ignore EOS (every request makes exactly --tokens tokens), the whole
+generate timed (prefill included). HF runs the whole batch in one left-padded `generate` call
+with its KV cache, which is its fastest offline path; the engine runs `LLM.generate` with
+continuous batching and the paged KV cache.
+
+Both models are loaded and warmed up once; then the two sides alternate `--repeats` times
+(engine, HF, engine, HF, ...) and the medians are reported (ratio = median engine / median HF;
+the per-pair ratios are printed too). On a small shared machine one other busy process slows
+a 2-thread run several-fold, so a pair during which other processes used more than
+`--max-other-load` cores (Linux /proc/stat) is dropped, said so, and run again.
+
+Same work on both sides: the engine's prefix cache is emptied before every timed run, so it
+computes every prompt token as HF does (otherwise the warm-up and earlier repeats would let it
+skip the shared chat-template prefix and whole repeated prompts). `--warm-prefix-cache` keeps
+the cache warm, which is the serving case but not an equal-work comparison.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -22,6 +37,28 @@ import torch  # noqa: E402
 TOPICS = ["the ocean", "a robot", "mountains", "coffee", "the moon", "a library", "trains", "winter"]
 
 
+def _busy_seconds() -> float | None:
+    """CPU seconds the whole machine has been busy (Linux /proc/stat), None elsewhere."""
+    try:
+        with open("/proc/stat") as stat:
+            ticks = list(map(int, stat.readline().split()[1:9]))
+    except OSError:
+        return None
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def timed(run):
+    """run() -> tok/s, plus the cores' worth of CPU that OTHER processes used meanwhile (None if unknown):
+    on a small shared machine, a run with load beside it is not comparable."""
+    busy, own, started = _busy_seconds(), os.times(), time.perf_counter()
+    tok_s = run()
+    wall, busy_after, own_after = time.perf_counter() - started, _busy_seconds(), os.times()
+    if busy is None or busy_after is None:
+        return tok_s, None
+    mine = own_after.user + own_after.system - own.user - own.system
+    return tok_s, max(0.0, (busy_after - busy - mine) / wall)
+
+
 def make_prompts(tokenizer, n: int) -> list[str]:
     prompts = []
     for i in range(n):
@@ -31,41 +68,59 @@ def make_prompts(tokenizer, n: int) -> list[str]:
     return prompts
 
 
-def bench_hf(path: str, prompts: list[str], tokens: int) -> float:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    batch = tokenizer(prompts, return_tensors="pt", padding=True)
-    kwargs = dict(do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens, eos_token_id=None,
-                  pad_token_id=tokenizer.pad_token_id or 0, temperature=None, top_p=None, top_k=None)
-    with torch.inference_mode():
-        model.generate(**{k: v[:2] for k, v in batch.items()}, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
+class HFSide:
+    def __init__(self, path: str, prompts: list[str], tokens: int) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.batch = tokenizer(prompts, return_tensors="pt", padding=True)
+        self.tokens, self.num_prompts = tokens, len(prompts)
+        self.kwargs = dict(do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens, eos_token_id=None,
+                           pad_token_id=tokenizer.pad_token_id or 0, temperature=None, top_p=None, top_k=None)
+        with torch.inference_mode():
+            self.model.generate(**{k: v[:2] for k, v in self.batch.items()},
+                                **{**self.kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
+
+    def run(self) -> float:
+        with torch.inference_mode():
+            started = time.perf_counter()
+            out = self.model.generate(**self.batch, **self.kwargs)
+            seconds = time.perf_counter() - started
+        assert out.shape[1] - self.batch["input_ids"].shape[1] == self.tokens
+        return self.num_prompts * self.tokens / seconds
+
+
+class EngineSide:
+    def __init__(self, path: str, prompts: list[str], tokens: int, warm_prefix_cache: bool) -> None:
+        from configs import SamplingParams
+        from runner import LLM
+        self.llm = LLM(model=path, dtype="float32", device="cpu")
+        self.prompts, self.tokens, self.warm = prompts, tokens, warm_prefix_cache
+        self.params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        self.llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+
+    def run(self) -> float:
+        if not self.warm:
+            assert self.llm.engine.scheduler.reset_prefix_cache(), "prefix cache still in use"
         started = time.perf_counter()
-        out = model.generate(**batch, **kwargs)
+        outs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
         seconds = time.perf_counter() - started
-    assert out.shape[1] - batch["input_ids"].shape[1] == tokens
-    return len(prompts) * tokens / seconds
-
-
-def bench_engine(path: str, prompts: list[str], tokens: int) -> float:
-    from configs import SamplingParams
-    from runner import LLM
-    llm = LLM(model=path, dtype="float32", device="cpu")
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
-    started = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - started
-    assert all(len(o.token_ids) == tokens for o in outs)
-    return len(prompts) * tokens / seconds
+        assert all(len(o.token_ids) == self.tokens for o in outs)
+        return len(self.prompts) * self.tokens / seconds
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per side, alternating")
+    parser.add_argument("--max-other-load", type=float, default=0.1,
+                        help="drop and redo a pair when other processes used more than this many cores meanwhile")
+    parser.add_argument("--max-tries", type=int, default=3, help="at most repeats * this many pairs")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--warm-prefix-cache", action="store_true",
+                        help="keep the engine's prefix cache between runs (less work than HF)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     if args.threads:
@@ -74,14 +129,42 @@ def main() -> None:
     from transformers import AutoTokenizer
     path = resolve_model_path(args.model)
     prompts = make_prompts(AutoTokenizer.from_pretrained(path), args.prompts)
-    engine_tps = bench_engine(path, prompts, args.tokens)
-    hf_tps = bench_hf(path, prompts, args.tokens)
+    engine = EngineSide(path, prompts, args.tokens, args.warm_prefix_cache)
+    hf = HFSide(path, prompts, args.tokens)
+    engine_runs, hf_runs, others, dropped = [], [], [], []
+    for _ in range(args.repeats * args.max_tries):
+        if len(engine_runs) == args.repeats:
+            break
+        (engine_tps, engine_load), (hf_tps, hf_load) = timed(engine.run), timed(hf.run)
+        if max(engine_load or 0.0, hf_load or 0.0) > args.max_other_load:
+            dropped.append((engine_tps, hf_tps, engine_load, hf_load))
+            print(f"dropped a pair (other processes' load {engine_load:.2f} / {hf_load:.2f} cores): "
+                  f"{engine_tps:.1f} / {hf_tps:.1f} tok/s", flush=True)
+            continue
+        engine_runs.append(engine_tps)
+        hf_runs.append(hf_tps)
+        others += [engine_load, hf_load]
+    if not engine_runs:
+        print("WARNING: every pair had other load beside it; reporting the dropped pairs")
+        for engine_tps, hf_tps, engine_load, hf_load in dropped:
+            engine_runs.append(engine_tps)
+            hf_runs.append(hf_tps)
+            others += [engine_load, hf_load]
+    engine_tps, hf_tps = statistics.median(engine_runs), statistics.median(hf_runs)
     result = {"prompts": args.prompts, "tokens": args.tokens, "threads": torch.get_num_threads(),
-              "engine_tok_s": round(engine_tps, 1), "hf_tok_s": round(hf_tps, 1), "ratio": round(engine_tps / hf_tps, 2)}
+              "warm_prefix_cache": args.warm_prefix_cache, "engine_runs": [round(x, 1) for x in engine_runs],
+              "hf_runs": [round(x, 1) for x in hf_runs], "engine_tok_s": round(engine_tps, 1),
+              "hf_tok_s": round(hf_tps, 1), "ratio": round(engine_tps / hf_tps, 2),
+              "other_load_cores": [None if x is None else round(x, 2) for x in others], "dropped_pairs": len(dropped)}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
-    print("| engine tok/s | HF generate tok/s | ratio | threads |\n|---|---|---|---|")
-    print(f"| {engine_tps:.1f} | {hf_tps:.1f} | {engine_tps / hf_tps:.2f}x | {torch.get_num_threads()} |")
+    load = [("?" if x is None else f"{x:.2f}") for x in others]
+    print("runs, engine / HF tok/s (ratio) [other processes' load in cores, engine / HF]: " + ", ".join(
+        f"{e:.1f} / {h:.1f} ({e / h:.2f}x) [{load[2 * i]} / {load[2 * i + 1]}]"
+        for i, (e, h) in enumerate(zip(engine_runs, hf_runs))))
+    print("| engine tok/s | HF generate tok/s | ratio | threads | prefix cache |\n|---|---|---|---|---|")
+    print(f"| {engine_tps:.1f} | {hf_tps:.1f} | {engine_tps / hf_tps:.2f}x | {torch.get_num_threads()} | "
+          f"{'warm' if args.warm_prefix_cache else 'emptied before each run'} |")
 
 
 if __name__ == "__main__":
