@@ -14,7 +14,7 @@ from torch import nn
 
 from attention.layer import Attention
 from models.hf_config import ModelSpec
-from models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 
 
 @dataclass
@@ -30,8 +30,8 @@ class SelfAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_proj_bias)
+        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.o_proj_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
@@ -74,7 +74,7 @@ class LlamaModel(nn.Module):
         self.is_last = layer_range.stop == spec.num_layers
         if self.is_first:
             self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        rotary = RotaryEmbedding(spec.hf_config, max_positions)
+        rotary = self.rotary_emb = RotaryEmbedding(spec.hf_config, max_positions)
         # Keyed by the global layer index so parameter names match the checkpoint's.
         self.layers = nn.ModuleDict({str(i): DecoderLayer(spec, rotary, cache_index=n)
                                      for n, i in enumerate(layer_range)})
@@ -86,8 +86,12 @@ class LlamaModel(nn.Module):
             hidden, residual = self.embed_tokens(input_ids), None
         else:
             hidden, residual = intermediate.hidden_states, intermediate.residual
-        for layer in self.layers.values():
-            hidden, residual = layer(positions, hidden, residual)
+        self.rotary_emb.begin_step(positions)  # cos/sin gathered once, shared by every layer
+        try:
+            for layer in self.layers.values():
+                hidden, residual = layer(positions, hidden, residual)
+        finally:
+            self.rotary_emb.end_step()
         if not self.is_last:
             return IntermediateTensors(hidden, residual)
         hidden, _ = self.norm(hidden, residual)
@@ -104,7 +108,7 @@ class LlamaForCausalLM(nn.Module):
         self.layer_range = layer_range if layer_range is not None else range(spec.num_layers)
         self.model = LlamaModel(spec, self.layer_range, max_positions or spec.max_position_embeddings)
         if self.model.is_last:
-            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
             if spec.tie_word_embeddings and self.model.is_first:
                 self.lm_head.weight = self.model.embed_tokens.weight
 
