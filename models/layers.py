@@ -99,7 +99,7 @@ class Linear(nn.Linear):
     same sum in another order (last-bit differences) below that."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1] if x.numel() else 0
+        rows = x.shape[0] if x.dim() == 2 else (x.numel() // x.shape[-1] if x.numel() else 0)
         if (x.is_cuda or not 0 < rows <= PACKED_MAX_ROWS or x.dtype != torch.float32
                 or self.weight.dtype != torch.float32 or not _packing_enabled()):
             return F.linear(x, self.weight, self.bias)
@@ -135,7 +135,7 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
-        x32 = x.float()
+        x32 = x if x.dtype == torch.float32 else x.float()  # (a no-op .float() still costs a dispatch)
         scale = x32.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             out = torch.mul(x32, scale).mul_(self.weight)
@@ -248,14 +248,18 @@ def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
     """[x1*cos - x2*sin, x2*cos + x1*sin] on the first rotary_dim features (HF's rotate_half
     form, same roundings), computed in float32 straight into the halves of one output."""
-    rot, rest = x[..., :rotary_dim].float(), x[..., rotary_dim:]
+    whole = rotary_dim == x.shape[-1]
+    rot = x if whole else x[..., :rotary_dim]
+    if rot.dtype != torch.float32:
+        rot = rot.float()
     x1, x2 = rot.chunk(2, dim=-1)
     out = torch.empty(rot.shape, dtype=torch.float32, device=x.device)
     o1, o2 = out.chunk(2, dim=-1)
     torch.mul(x1, cos, out=o1).sub_(x2 * sin)
     torch.mul(x2, cos, out=o2).add_(x1 * sin)
-    out = out.to(x.dtype)
-    return out if rest.numel() == 0 else torch.cat([out, rest], dim=-1)
+    if x.dtype != torch.float32:
+        out = out.to(x.dtype)
+    return out if whole else torch.cat([out, x[..., rotary_dim:]], dim=-1)
 
 
 class GatedMLP(nn.Module):

@@ -197,8 +197,8 @@ class _DenseKV:
         return _DenseStep(stale_rows, torch.cat([stale, stale + num_blocks]), token_rows * length + positions,
                           rows, length)
 
-    def keys_values(self, step: _DenseStep, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    write_rows: torch.Tensor | None, num_reqs: int, max_kv: int, kv_blocks: torch.Tensor):
+    def keys_values(self, step: _DenseStep, kv_cache: torch.Tensor, new_kv: torch.Tensor | None, num_reqs: int,
+                    max_kv: int, kv_blocks: torch.Tensor):
         """This layer's copy brought up to date; [R, max_kv, Hkv, D] views of its K and V."""
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         copy = self.copies.get(kv_cache.data_ptr())
@@ -218,17 +218,28 @@ class _DenseKV:
             gathered = kv_cache.view(-1, block_size, num_kv_heads, head_dim).index_select(0, refill_blocks)
             gathered = gathered.view(2, refill_rows.numel(), blocks * block_size, num_kv_heads, head_dim)
             copy[:, :, : blocks * block_size].index_copy_(1, refill_rows, gathered)
-        written = step.write_index.numel()
-        if written:
-            flat = copy.view(2, -1, num_kv_heads, head_dim)
-            for half, source in ((flat[0], key), (flat[1], value)):
-                half.index_copy_(0, step.write_index,
-                                 source[:written] if write_rows is None else source.index_select(0, write_rows))
+        if step.write_index.numel():
+            copy.view(2, -1, num_kv_heads, head_dim).index_copy_(1, step.write_index, new_kv)
         return copy[0, :num_reqs, :max_kv], copy[1, :num_reqs, :max_kv]
 
 
 def _dense_enabled() -> bool:
     return os.environ.get("GRAPHRUNNER_TORCH_DENSE_KV", "1") != "0"
+
+
+def _key_value(key: torch.Tensor, value: torch.Tensor, rows: int, write_rows: torch.Tensor | None) -> torch.Tensor:
+    """[2, written, Hkv, D]: this step's keys then values of the rows that write, as a view when
+    value directly follows key in the same rows (both split from one qkv projection)."""
+    if (key.stride() == value.stride() and key.stride(2) == 1 and key.stride(1) == key.shape[2]
+            and value.data_ptr() == key.data_ptr() + key.shape[1] * key.shape[2] * key.element_size()
+            and key.untyped_storage().data_ptr() == value.untyped_storage().data_ptr()):
+        both = key.as_strided((key.shape[0], 2, *key.shape[1:]), (key.stride(0), key.shape[1] * key.shape[2],
+                                                                    *key.stride()[1:]))
+        both = both[:rows] if write_rows is None else both.index_select(0, write_rows)
+        return both.transpose(0, 1)
+    if write_rows is None:
+        return torch.stack([key[:rows], value[:rows]])
+    return torch.stack([key.index_select(0, write_rows), value.index_select(0, write_rows)])
 
 
 class TorchSDPABackend(AttentionBackend):
@@ -251,11 +262,10 @@ class TorchSDPABackend(AttentionBackend):
                                                             self.dense_kv)
         actual = layout.actual
         num_kv_heads, head_dim = layer.num_kv_heads, layer.head_dim
+        new_kv = None
         if kv_cache is not None and layout.slots.numel():
-            flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
-            rows = layout.write_rows
-            flat[0].index_copy_(0, layout.slots, key[:actual] if rows is None else key.index_select(0, rows))
-            flat[1].index_copy_(0, layout.slots, value[:actual] if rows is None else value.index_select(0, rows))
+            new_kv = _key_value(key, value, actual, layout.write_rows)   # [2, written, Hkv, D]
+            kv_cache.view(2, -1, num_kv_heads, head_dim).index_copy_(1, layout.slots, new_kv)
         if actual < out.shape[0]:
             out[actual:].zero_()
         if actual == 0:
@@ -263,7 +273,7 @@ class TorchSDPABackend(AttentionBackend):
         num_reqs, max_q, group = layout.num_reqs, layout.max_q, layer.num_heads // num_kv_heads
         # index_select on flattened indices: about twice as fast on a CPU as advanced indexing.
         if layout.dense is not None:
-            k, v = self.dense_kv.keys_values(layout.dense, kv_cache, key, value, layout.write_rows, num_reqs,
+            k, v = self.dense_kv.keys_values(layout.dense, kv_cache, new_kv, num_reqs,
                                              layout.blocks * kv_cache.shape[2], layout.kv_blocks)
             k, v = k.transpose(1, 2), v.transpose(1, 2)                          # [R, Hkv, max_kv, D]
         elif kv_cache is not None:
