@@ -162,3 +162,47 @@ def test_cuda_graph_replays_new_metadata(num_tokens, num_reqs):
         graph.replay()
         torch.cuda.synchronize()
         batch.check()
+
+
+@pytest.mark.parametrize("num_splits", [1, 8])
+def test_fast_launch_matches_triton_launch(num_splits, monkeypatch):
+    """attention/kernels/fast_launch.py: relaunching the compiled kernel directly gives the same bits
+    as Triton's own launch path, on the current stream, and a new specialisation (a misaligned
+    query view) compiles/launches through Triton again instead of reusing the wrong kernel."""
+    from attention.kernels import unified_attention as ua
+    batch = Batch(8, 8, max_blocks=64, num_blocks=8 * 64 + 4, block_size=16)
+    batch.fill([1] * 8, [900 + 7 * i for i in range(8)], seed=4)
+    write_kv(batch.key, batch.value, batch.kv_cache, batch.slot_mapping)
+
+    def attend():
+        batch.out.fill_(float("nan"))
+        unified_attention(batch.query, batch.kv_cache, batch.out, batch.query_start_loc, batch.seq_lens,
+                          batch.block_table, batch.scale, num_splits=num_splits)
+        torch.cuda.synchronize()
+        return batch.out.clone()
+
+    monkeypatch.setenv("GRAPHRUNNER_FAST_LAUNCH", "0")
+    expected = attend()
+    monkeypatch.setenv("GRAPHRUNNER_FAST_LAUNCH", "1")
+    attend()                                          # records the compiled kernel for this key
+    before = ua._attention_launch.fast_launches
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        got_side = attend()
+    got = attend()
+    assert ua._attention_launch.fast_launches >= before + 2
+    assert torch.equal(got, expected) and torch.equal(got_side, expected)
+    batch.check()
+
+    storage = torch.empty(batch.query.numel() + 8, dtype=batch.query.dtype, device="cuda")
+    shifted = storage[1:1 + batch.query.numel()].view(batch.query.shape)   # 2 bytes past 16-byte alignment
+    shifted.copy_(batch.query)
+    keys = len(ua._attention_launch.compiled)
+    out = torch.full_like(batch.out, float("nan"))
+    for _ in range(2):
+        unified_attention(shifted, batch.kv_cache, out, batch.query_start_loc, batch.seq_lens,
+                          batch.block_table, batch.scale, num_splits=num_splits)
+    torch.cuda.synchronize()
+    assert len(ua._attention_launch.compiled) == keys + 1
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)

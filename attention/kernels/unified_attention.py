@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.kernels.fast_launch import FastLaunch
+
 LOG2E = 1.4426950408889634
 
 
@@ -196,7 +198,7 @@ def default_num_splits(num_tokens: int, num_reqs: int, num_kv_heads: int, device
         return 1
     wanted = min(4 * _num_sms(device) // (num_reqs * num_kv_heads), MAX_SPLITS, SPLIT_ROWS // num_tokens)
     if max_seq_len is not None:
-        wanted = min(wanted, triton.cdiv(max_seq_len, launch_config(device)["BLOCK_N"]) // EAGER_TILES_PER_SPLIT)
+        wanted = min(wanted, -(-max_seq_len // launch_config(device)["BLOCK_N"]) // EAGER_TILES_PER_SPLIT)
     return 1 << (wanted.bit_length() - 1) if wanted >= 2 else 1
 
 
@@ -207,9 +209,11 @@ def tile_sizes(num_q_heads: int, num_kv_heads: int) -> tuple[int, int]:
     return block_m, block_m // group
 
 
+@functools.cache
 def launch_config(device: torch.device) -> dict:
     """KV tile length and the compiler's warps / pipelining depth (tuned on an H100, see
-    scripts/bench_attention.py); the interpreter gets short tiles (faster in numpy)."""
+    scripts/bench_attention.py); the interpreter gets short tiles (faster in numpy). Cached, as
+    every eager call reads it: do not mutate the result."""
     if device.type == "cpu":
         return dict(BLOCK_N=32, num_warps=4, num_stages=1)
     return dict(BLOCK_N=64, num_warps=4, num_stages=2)
@@ -225,6 +229,10 @@ def _constexprs(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: 
                 DOT_FP32=device.type == "cpu", **launch_config(device))
 
 
+_attention_launch = FastLaunch(attention_kernel)
+_merge_launch = FastLaunch(merge_splits_kernel)
+
+
 def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                       scale: float, num_splits: int | None = None, max_seq_len: int | None = None) -> None:
@@ -233,16 +241,20 @@ def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Te
     its KV is the first seq_lens[r] positions of its block_table row. Rows past
     query_start_loc[-1] are set to 0. No host sync, no value-dependent allocation: capturable.
     `max_seq_len` (eager calls only: a graph would freeze it) lets the split count fit the step."""
+    # Eager PIECEWISE calls this once per layer per step: each tensor's shape and strides are read
+    # once (every .stride(i) call is a dispatch), and no Triton helper runs on the host.
     num_tokens, num_q_heads, head_dim = query.shape
-    num_kv_heads = kv_cache.shape[3]
+    cache_shape = kv_cache.shape
+    num_kv_heads = cache_shape[3]
     num_reqs = seq_lens.shape[0]
-    if out.shape != query.shape or kv_cache.shape[4] != head_dim or num_q_heads % num_kv_heads:
+    q_stride, out_stride, cache_stride, table_stride = query.stride(), out.stride(), kv_cache.stride(), block_table.stride()
+    if out.shape != query.shape or cache_shape[4] != head_dim or num_q_heads % num_kv_heads:
         raise ValueError(f"unified_attention shapes disagree: query {tuple(query.shape)}, "
                          f"out {tuple(out.shape)}, kv_cache {tuple(kv_cache.shape)}")
     if query_start_loc.shape[0] != num_reqs + 1 or block_table.shape[0] != num_reqs:
         raise ValueError(f"metadata for {num_reqs} requests: query_start_loc {tuple(query_start_loc.shape)}, "
                          f"block_table {tuple(block_table.shape)}")
-    if query.stride(2) != 1 or out.stride(2) != 1 or kv_cache.stride(4) != 1 or block_table.stride(1) != 1:
+    if q_stride[2] != 1 or out_stride[2] != 1 or cache_stride[4] != 1 or table_stride[1] != 1:
         raise ValueError("unified_attention needs a contiguous head dim and contiguous block_table rows")
     if num_tokens == 0:
         return
@@ -253,27 +265,33 @@ def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Te
         num_splits = default_num_splits(num_tokens, num_reqs, num_kv_heads, query.device, max_seq_len)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
-    constexprs = _constexprs(num_q_heads, num_kv_heads, head_dim, kv_cache.shape[2], query.device)
+    device = query.device
+    constexprs = _constexprs(num_q_heads, num_kv_heads, head_dim, cache_shape[2], device)
     d_pad = constexprs["D_PAD"]
-    grid = (triton.cdiv(num_tokens, constexprs["BLOCK_Q"]) + num_reqs, num_kv_heads, num_splits)
+    grid = (-(-num_tokens // constexprs["BLOCK_Q"]) + num_reqs, num_kv_heads, num_splits)
     if num_splits > 1:
-        part_acc = torch.empty(num_tokens, num_q_heads, num_splits, d_pad, dtype=torch.float32,
-                               device=query.device)
-        part_max = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=query.device)
+        part_acc = torch.empty(num_tokens, num_q_heads, num_splits, d_pad, dtype=torch.float32, device=device)
+        part_max = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=device)
         part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = out          # unused
-    attention_kernel[grid](
-        query, kv_cache, out, query_start_loc, seq_lens, block_table,
+    c = constexprs
+    device_index = device.index or 0
+    # Every parameter positionally, constexprs included, in signature order (FastLaunch's contract).
+    _attention_launch(
+        grid, query, kv_cache, out, query_start_loc, seq_lens, block_table,
         part_acc, part_max, part_sum,
         scale * LOG2E, num_tokens, num_reqs, num_q_heads, num_splits,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
-        SPLIT_KV=num_splits > 1, **constexprs,
+        q_stride[0], q_stride[1], out_stride[0], out_stride[1],
+        cache_stride[0], cache_stride[1], cache_stride[2], cache_stride[3], table_stride[0],
+        c["GROUP"], c["HEAD_DIM"], d_pad, c["BLOCK_SIZE"], c["BLOCK_M"], c["BLOCK_Q"], c["BLOCK_N"],
+        c["REQ_CHUNK"], num_splits > 1, c["DOT_FP32"],
+        device_index=device_index, num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
     if num_splits > 1:
-        merge_splits_kernel[(num_tokens, num_q_heads)](
-            out, query_start_loc, part_acc, part_max, part_sum,
-            num_reqs, num_q_heads, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=MAX_SPLITS, num_warps=1 if d_pad <= 64 else 2,
+        _merge_launch(
+            (num_tokens, num_q_heads), out, query_start_loc, part_acc, part_max, part_sum,
+            num_reqs, num_q_heads, num_splits, out_stride[0], out_stride[1],
+            head_dim, d_pad, MAX_SPLITS,
+            device_index=device_index, num_warps=1 if d_pad <= 64 else 2, num_stages=3,
         )

@@ -1,0 +1,144 @@
+"""Relaunch a compiled Triton kernel without `JITFunction.run`'s per-call work.
+
+Why: a PIECEWISE step launches the attention kernel eagerly once per layer (the graph segments
+around it replay), so the Python cost of a launch is paid ~30 times per step of a 30-layer model.
+`kernel[grid](...)` binds and specialises every argument, builds a cache key from the
+specialisation and the options, looks the compiled kernel up, checks the kernel's globals and
+builds launch metadata before it reaches the C launcher. For a kernel of ~35 arguments that is
+tens of microseconds, more than the GPU spends on a decode layer of a small model.
+
+`FastLaunch(fn)(grid, *args, num_warps=.., num_stages=..)` takes ALL of the kernel's parameters
+positionally (constexprs included, in signature order), computes a small key that covers
+everything Triton specialises on (constexpr values; dtype and 16-byte alignment of each tensor;
+for integers not in `do_not_specialize`, whether the value is 1 or a multiple of 16; whether an
+integer fits in 32 bits), and:
+- on a new key, launches through `fn[grid](...)` as usual (compiling if needed) and keeps the
+  `CompiledKernel` that call returns;
+- on a known key, calls that kernel's C launcher directly, with the same arguments Triton
+  itself passes it (`JITFunction.run`: grid, stream, function, packed metadata, launch metadata,
+  enter/exit hooks, then every bound argument in order).
+Launch hooks (profilers such as proton) and Triton's interpreter (CPU tests) take the ordinary
+path every time; GRAPHRUNNER_FAST_LAUNCH=0 turns the fast path off. A GPU test checks that both
+paths give identical results.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+_CONSTEXPR, _SPECIALISED, _PLAIN = 0, 1, 2
+_I32_MIN, _I32_MAX = -(2 ** 31), 2 ** 31 - 1
+
+
+def _param_kinds(fn: Any) -> tuple[int, ...] | None:
+    """How each parameter enters the specialisation key, or None when `fn` is not a compiled
+    JITFunction (Triton's interpreter, a missing `params` list): then every call goes the
+    ordinary way."""
+    params = getattr(fn, "params", None)
+    if params is None or not hasattr(fn, "device_caches"):
+        return None
+    return tuple(_CONSTEXPR if p.is_constexpr else _PLAIN if p.do_not_specialize else _SPECIALISED
+                 for p in params)
+
+
+def _key_function(args: tuple, kinds: tuple[int, ...]) -> Callable:
+    """Generated `(options, *args) -> key` equal to `FastLaunch.key` for arguments of these types."""
+    parts = []
+    for i, (arg, kind) in enumerate(zip(args, kinds)):
+        if kind == _CONSTEXPR:
+            parts.append(f"a{i}")
+        elif type(arg) is int:
+            fits = f"{_I32_MIN} <= a{i} <= {_I32_MAX}"
+            parts.append(f"(a{i} == 1, a{i} % 16 == 0, {fits})" if kind == _SPECIALISED else f"({fits})")
+        elif type(arg) is float or type(arg) is bool or arg is None:
+            parts.append("None")
+        else:
+            parts.append(f"(a{i}.dtype, a{i}.data_ptr() % 16 == 0)")
+    names = ", ".join(f"a{i}" for i in range(len(args)))
+    source = f"def key(options, {names}):\n    return (*options, {', '.join(parts)})\n"
+    namespace: dict = {}
+    exec(source, namespace)
+    return namespace["key"]
+
+
+def _hook_active(hook: Any) -> bool:
+    """Triton's launch hooks are None or, in later versions, a HookChain that is empty unless a
+    profiler added calls to it."""
+    return hook is not None and (not hasattr(hook, "calls") or bool(hook.calls))
+
+
+def _launch_hooks_set() -> bool:
+    try:
+        from triton import knobs
+    except ImportError:  # Triton before knobs: no fast path
+        return True
+    return _hook_active(knobs.runtime.launch_enter_hook) or _hook_active(knobs.runtime.launch_exit_hook)
+
+
+def _current_stream(device_index: int) -> int:
+    import torch
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+class FastLaunch:
+    """A launcher for one @triton.jit function; see the module docstring."""
+
+    def __init__(self, fn: Any, stream_of: Callable[[int], int] = _current_stream) -> None:
+        self.fn = fn
+        self.kinds = _param_kinds(fn)
+        self.stream_of = stream_of
+        self.compiled: dict[tuple, Any] = {}
+        self.fast_launches = 0
+        self._key_fn: Callable | None = None
+        self._key_types: tuple = ()
+        """Launches that skipped JITFunction.run (for tests and benchmarks)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.kinds is not None and os.environ.get("GRAPHRUNNER_FAST_LAUNCH", "1") != "0"
+
+    def key(self, args: tuple, options: tuple) -> tuple:
+        """Everything Triton specialises a compiled kernel on, for these arguments."""
+        key = list(options)
+        for arg, kind in zip(args, self.kinds):
+            if kind == _CONSTEXPR:
+                key.append(arg)
+            elif type(arg) is int:
+                fits = _I32_MIN <= arg <= _I32_MAX
+                key.append((arg == 1, arg % 16 == 0, fits) if kind == _SPECIALISED else fits)
+            elif type(arg) is float or type(arg) is bool or arg is None:
+                key.append(None)  # fp32 / u1 scalars: never specialised
+            else:  # a tensor
+                key.append((arg.dtype, arg.data_ptr() % 16 == 0))
+        return tuple(key)
+
+    def _fast_key(self, args: tuple, options: tuple) -> tuple:
+        """`key`, from a function generated for the argument types of the first call (one
+        expression per argument instead of a loop with type tests: a few microseconds less per
+        launch). Arguments of other types than that first call's get the generic `key`, marked
+        so the two kinds of key never compare equal."""
+        types = tuple(map(type, args))
+        if self._key_fn is None or types != self._key_types:
+            if self._key_fn is not None:
+                return ("generic",) + self.key(args, options)
+            self._key_types, self._key_fn = types, _key_function(args, self.kinds)
+        return self._key_fn(options, *args)
+
+    def __call__(self, grid: tuple[int, ...], *args: Any, device_index: int = 0,
+                 num_warps: int = 4, num_stages: int = 3) -> None:
+        if not self.enabled or len(args) != len(self.kinds) or _launch_hooks_set():
+            self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
+            return
+        key = self._fast_key(args, (device_index, num_warps, num_stages))
+        kernel = self.compiled.get(key)
+        if kernel is None:
+            kernel = self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
+            if kernel is not None and hasattr(kernel, "function"):
+                self.compiled[key] = kernel
+            return
+        grid_1 = grid[1] if len(grid) > 1 else 1
+        grid_2 = grid[2] if len(grid) > 2 else 1
+        kernel.run(grid[0], grid_1, grid_2, self.stream_of(device_index), kernel.function,
+                   kernel.packed_metadata, None, None, None, *args)
+        self.fast_launches += 1

@@ -1,0 +1,130 @@
+"""FastLaunch's logic on a CPU, with a fake JIT function standing in for Triton's (named Fake*):
+which calls go through `fn[grid]` (compile / first launch of a specialisation), which reuse the
+compiled kernel's C launcher, and that every input Triton specialises on changes the key.
+The real launcher is checked against Triton's own path on a GPU (tests/test_triton_gpu.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from attention.kernels.fast_launch import FastLaunch
+
+
+class FakeCompiledKernel:
+    """Records the C-launcher calls the way Triton's CompiledKernel.run receives them."""
+
+    def __init__(self) -> None:
+        self.function, self.packed_metadata, self.runs = "fn-handle", "packed", []
+
+    def run(self, *call):
+        self.runs.append(call)
+
+
+class FakeJITFunction:
+    """params/device_caches like a JITFunction; `fn[grid](*args, **options)` returns a new
+    FakeCompiledKernel per call and logs the slow-path call."""
+
+    def __init__(self, kinds: list[str]) -> None:
+        self.params = [SimpleNamespace(is_constexpr=k == "constexpr", do_not_specialize=k == "plain") for k in kinds]
+        self.device_caches = {}
+        self.slow_calls, self.kernels = [], []
+
+    def __getitem__(self, grid):
+        def launch(*args, **options):
+            self.slow_calls.append((grid, args, options))
+            kernel = FakeCompiledKernel()
+            self.kernels.append(kernel)
+            return kernel
+        return launch
+
+
+def _fake():
+    fn = FakeJITFunction(["spec", "spec", "plain", "float", "constexpr"])
+    return fn, FastLaunch(fn, stream_of=lambda index: 1000 + index)
+
+
+def test_second_call_reuses_the_compiled_kernel_with_triton_arguments():
+    fn, launch = _fake()
+    x = torch.zeros(64)
+    launch((3, 2), x, 32, 5, 0.5, 7, device_index=0, num_warps=4, num_stages=2)
+    assert len(fn.slow_calls) == 1 and fn.slow_calls[0][2] == {"num_warps": 4, "num_stages": 2}
+    launch((3, 2), x, 32, 9, 0.25, 7, device_index=0, num_warps=4, num_stages=2)  # plain int / float change: same key
+    assert len(fn.slow_calls) == 1 and launch.fast_launches == 1
+    (call,) = fn.kernels[0].runs
+    assert call[:9] == (3, 2, 1, 1000, "fn-handle", "packed", None, None, None)
+    assert call[9:] == (x, 32, 9, 0.25, 7)
+
+
+@pytest.mark.parametrize("change", ["constexpr", "dtype", "alignment", "int_is_one", "int_divisibility",
+                                    "int_64bit", "options", "device"])
+def test_every_specialisation_input_changes_the_key(change):
+    fn, launch = _fake()
+    base = torch.zeros(64)
+    args = [base, 32, 5, 0.5, 7]
+    options = dict(device_index=0, num_warps=4, num_stages=2)
+    launch((1,), *args, **options)
+    if change == "constexpr":
+        args[4] = 8
+    elif change == "dtype":
+        args[0] = torch.zeros(64, dtype=torch.float16)
+    elif change == "alignment":
+        args[0] = base[1:]                           # 4 bytes past a 16-byte boundary
+    elif change == "int_is_one":
+        args[1] = 1
+    elif change == "int_divisibility":
+        args[1] = 33
+    elif change == "int_64bit":
+        args[2] = 2 ** 40                            # not specialised, but i64 is another signature
+    elif change == "options":
+        options["num_warps"] = 8
+    else:
+        options["device_index"] = 1
+    launch((1,), *args, **options)
+    assert len(fn.slow_calls) == 2 and launch.fast_launches == 0
+
+
+def test_disabled_by_environment_and_for_non_jit_functions(monkeypatch):
+    fn, launch = _fake()
+    monkeypatch.setenv("GRAPHRUNNER_FAST_LAUNCH", "0")
+    for _ in range(2):
+        launch((1,), torch.zeros(4), 32, 5, 0.5, 7)
+    assert len(fn.slow_calls) == 2 and launch.fast_launches == 0
+    interpreted = SimpleNamespace(params=fn.params)  # Triton's interpreter: no device_caches
+    assert not FastLaunch(interpreted).enabled
+
+
+def test_wrong_argument_count_takes_the_ordinary_path():
+    fn, launch = _fake()
+    for _ in range(2):
+        launch((1,), torch.zeros(4), 32, 5, 0.5)     # one short: Triton's binder reports the error
+    assert len(fn.slow_calls) == 2
+
+
+def test_an_active_launch_hook_takes_the_ordinary_path():
+    knobs = pytest.importorskip("triton").knobs
+    hook = knobs.runtime.launch_enter_hook
+    if not hasattr(hook, "add"):
+        pytest.skip("this Triton has no HookChain launch hooks")
+    fn, launch = _fake()
+    profiler = lambda metadata: None  # noqa: E731 - what a profiler registers
+    hook.add(profiler)
+    try:
+        for _ in range(2):
+            launch((1,), torch.zeros(4), 32, 5, 0.5, 7)
+    finally:
+        hook.remove(profiler)
+    assert len(fn.slow_calls) == 2 and launch.fast_launches == 0
+
+
+def test_generated_key_equals_the_generic_key_and_argument_types_that_differ_fall_back():
+    fn, launch = _fake()
+    x = torch.zeros(64)
+    args = (x, 32, 2 ** 40, 0.5, 7)
+    options = (0, 4, 2)
+    assert launch._fast_key(args, options) == launch.key(args, options)
+    other = (x, torch.zeros(2), 5, 0.5, 7)            # a tensor where the first call had an int
+    assert launch._fast_key(other, options) == ("generic",) + launch.key(other, options)
+    assert launch._fast_key(other, options) != launch._fast_key(args, options)
