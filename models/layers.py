@@ -3,7 +3,9 @@
 Each block has a torch `reference` (CPU, and the definition of correct) and, on CUDA, one
 fused Triton kernel (models/fused_kernels.py): fewer launches per layer is what a small
 model's graph replay is bound by. GRAPHRUNNER_FUSED_OPS=0 turns the kernels off (benchmarks
-measure before/after in one run).
+measure before/after in one run). For a few rows (decode), DecoderLayer goes further through
+models/small_batch_kernels.py (`small_batch`: the norms fused into the projections that follow
+them); GRAPHRUNNER_SMALL_BATCH_KERNELS=0 turns only that off.
 
 On a CPU the reference paths are what runs, so they keep HF's rounding points (token-exact
 greedy parity) with as few passes and temporaries as that allows, and fp32 linears of small
@@ -36,6 +38,46 @@ def _fused_kernels():
 
 def fused(x: torch.Tensor):
     return _fused_kernels() if x.is_cuda else None
+
+
+SMALL_BATCH_MAX_ROWS = 16
+"""Token counts (x.shape[0]) up to this run a decoder layer through models/small_batch_kernels.py
+(the norm fused into qkv_proj, norm + SiLU*mul into gate_up_proj). A guess awaiting GPU
+measurement (scripts/bench_linear.py on an H100): at some row count cuBLAS' tensor-core GEMM
+overtakes the fused kernels' launch saving. At most small_batch_kernels.MAX_ROWS."""
+
+TRITON_GEMV_PROJECTIONS = frozenset({"o_proj", "down_proj"})
+"""The plain projections that use small_batch_kernels.linear instead of cuBLAS on the small-batch
+path; the rest keep F.linear. Awaiting GPU measurement (scripts/bench_linear.py): worth it only
+where the Triton GEMV beats the ~4 us cuBLAS GEMM inside a graph; frozenset() turns it off."""
+
+
+@functools.cache
+def _small_batch_kernels():
+    """models/small_batch_kernels.py, or None when fused ops are off (GRAPHRUNNER_FUSED_OPS=0) or
+    GRAPHRUNNER_SMALL_BATCH_KERNELS=0 (only this path off). Read once; cache_clear() re-reads."""
+    if os.environ.get("GRAPHRUNNER_SMALL_BATCH_KERNELS", "1") == "0" or _fused_kernels() is None:
+        return None
+    try:
+        from models import small_batch_kernels
+    except ImportError:
+        return None
+    return small_batch_kernels
+
+
+def small_batch(x: torch.Tensor):
+    """The small-row kernels module for a CUDA x of 1..SMALL_BATCH_MAX_ROWS rows (a decode step),
+    else None (CPU runs keep the reference path)."""
+    if not x.is_cuda or not 0 < x.shape[0] <= SMALL_BATCH_MAX_ROWS:
+        return None
+    return _small_batch_kernels()
+
+
+def small_batch_linear(kernels, layer: nn.Linear, name: str, x: torch.Tensor) -> torch.Tensor:
+    """layer(x), through the Triton GEMV when `name` is in TRITON_GEMV_PROJECTIONS."""
+    if name in TRITON_GEMV_PROJECTIONS:
+        return kernels.linear(x, layer.weight, layer.bias)
+    return layer(x)
 
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from torch import nn
 
 from attention.layer import Attention
 from models.hf_config import ModelSpec
-from models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, small_batch, small_batch_linear
 
 
 @dataclass
@@ -39,14 +39,18 @@ class SelfAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, cache_index, rotary)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.o_proj(self.attend(positions, self.qkv_proj(x)))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv_proj's output [T, (Hq + 2 Hkv) D] -> attention output [T, Hq D], before o_proj."""
+        tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.o_proj(self.attn(positions, q, k, v))
+        return self.attn(positions, q, k, v)
 
 
 class DecoderLayer(nn.Module):
@@ -58,6 +62,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, positions, hidden, residual):
+        kernels = small_batch(hidden)
+        if kernels is not None:
+            return self.forward_small_batch(kernels, positions, hidden, residual)
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
@@ -65,6 +72,21 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def forward_small_batch(self, kernels, positions, hidden, residual):
+        """The same layer for a few rows (decode) in fewer launches: input_layernorm fused into
+        qkv_proj, post_attention_layernorm + SiLU*mul into gate_up_proj, and o_proj / down_proj
+        through the Triton GEMV where TRITON_GEMV_PROJECTIONS says (models/small_batch_kernels.py).
+        Same contract as forward: (hidden, residual) in and out, residual None on the first layer."""
+        attn, mlp = self.self_attn, self.mlp
+        norm = self.input_layernorm
+        qkv, residual = kernels.norm_linear(hidden, residual, norm.weight, norm.eps,
+                                            attn.qkv_proj.weight, attn.qkv_proj.bias)
+        hidden = small_batch_linear(kernels, attn.o_proj, "o_proj", attn.attend(positions, qkv))
+        norm = self.post_attention_layernorm
+        act, residual = kernels.norm_gate_up_silu(hidden, residual, norm.weight, norm.eps,
+                                                  mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
+        return small_batch_linear(kernels, mlp.down_proj, "down_proj", act), residual
 
 
 class LlamaModel(nn.Module):

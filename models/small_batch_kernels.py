@@ -1,0 +1,216 @@
+"""Fused linear kernels for few rows (decode): the norm folded into the projection, SiLU*mul into gate_up.
+
+A small model's decode step replayed from a CUDA graph is bound by the number and latency of its
+kernels, not by bytes: SmolLM2-135M spends ~4 us in each of its 120 cuBLAS GEMMs per step, plus an
+add+RMSNorm and a SiLU*mul kernel per layer. Here one launch does what took two:
+
+    norm_linear(x, residual, norm_w, eps, W, b)        = (RMSNorm(x + residual) @ W.T + b, x + residual)
+    norm_gate_up_silu(x, residual, norm_w, eps, W, b)  = (silu(gate) * up, x + residual), [gate|up] = norm(..) @ W.T + b
+    linear(x, W, b)                                    = x @ W.T + b   (a plain GEMV, for o_proj / down_proj)
+
+Design (one kernel, `_small_rows_kernel`, specialised by constexpr flags):
+  * grid = (cdiv(N, BLOCK_N),): a program owns BLOCK_N output columns for ALL rows (M <= MAX_ROWS),
+    so every weight element is read exactly once. BLOCK_N (8..64) is picked so the grid covers the
+    GPU's SMs about twice for big weights; no split-K (it would need a second launch or atomics).
+  * the norm: every program computes the rms of each row itself (first pass over x, which is at
+    most a few thousand elements and sits in L2), then re-normalises x tile by tile while streaming
+    its weight tile. Only the programs of column tile 0 store residual_out: no races.
+  * M == 1: no tensor cores; an elementwise multiply into a [BLOCK_N, BLOCK_K] fp32 accumulator,
+    reduced once after the K loop. M > 1: rows padded to BLOCK_M = max(16, next_pow2(M)) and
+    tl.dot (model dtype in, fp32 accumulate); fp32 weights use input_precision="ieee" (true fp32,
+    not tf32: the GPU tests compare graph modes with greedy parity in fp32).
+  * K need not be a power of two (576, 1536): the K loop masks its last tile.
+  * rounding points are exactly those of the unfused path: the residual add in the model dtype,
+    normalise in fp32 -> model dtype -> times the norm weight -> model dtype (models.layers.RMSNorm,
+    `_add_rms_norm_kernel`); GEMM in fp32, + bias, rounded to the model dtype; gate and up rounded
+    to the model dtype before silu(gate) (rounded) * up (rounded), as `_silu_and_mul_kernel`.
+  * no host syncs and no value-dependent allocation: everything runs inside CUDA graph capture.
+
+Tile sizes are educated guesses awaiting measurement on an H100 (scripts/bench_linear.py)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 32
+"""Most rows the kernels take (BLOCK_M = 32 then; the accumulator and the x tile grow with it).
+Which row counts the model actually sends here is models.layers.SMALL_BATCH_MAX_ROWS."""
+
+
+@triton.jit
+def _load_rows(x_ptr, res_ptr, res_out_ptr, offs_m, offs_k, mask, stride_xm, stride_xk, stride_rm, stride_rk,
+               K, STORE_RESIDUAL, HAS_RESIDUAL: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] (+ residual, added in the model dtype; stored into residual_out when
+    STORE_RESIDUAL is true)."""
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_k[None, :] * stride_rk, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        if STORE_RESIDUAL:
+            tl.store(res_out_ptr + offs_m[:, None] * K + offs_k[None, :], x, mask=mask)
+    return x
+
+
+@triton.jit
+def _small_rows_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
+                       M, N, K, eps, stride_xm, stride_xk, stride_rm, stride_rk,
+                       HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       GATED: tl.constexpr, IEEE: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[M, N] = prologue(x) @ W[N, K].T (+ b); GATED: W is [2N, K] = [gate; up] and
+    out = silu(gate) * up. W contiguous; out and residual_out contiguous [M, N] / [M, K]."""
+    pid_n = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * K
+
+    if HAS_NORM:  # pass 1: each row's rms (and residual_out, from column tile 0 only)
+        sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask = m_mask[:, None] & (offs_k < K)[None, :]
+            x = _load_rows(x_ptr, res_ptr, res_out_ptr, offs_m, offs_k, mask, stride_xm, stride_xk,
+                           stride_rm, stride_rk, K, pid_n == 0, HAS_RESIDUAL)
+            x32 = x.to(tl.float32)
+            sum_sq += tl.sum(x32 * x32, axis=1)
+        inv = tl.rsqrt(sum_sq / K + eps)
+
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = _load_rows(x_ptr, res_ptr, res_out_ptr, offs_m, offs_k, m_mask[:, None] & k_mask[None, :],
+                       stride_xm, stride_xk, stride_rm, stride_rk, K, False, HAS_RESIDUAL)
+        if HAS_NORM:
+            nw = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0)
+            h = (x.to(tl.float32) * inv[:, None]).to(x.dtype).to(tl.float32) * nw.to(tl.float32)[None, :]
+            x = h.to(x.dtype)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
+        if GATED:
+            w_up = tl.load(w_rows + N * K + offs_k[None, :], mask=w_mask, other=0.0)
+        if BLOCK_M == 1:
+            xf = x.to(tl.float32)  # [1, BLOCK_K] against [BLOCK_N, BLOCK_K]
+            acc += w.to(tl.float32) * xf
+            if GATED:
+                acc_up += w_up.to(tl.float32) * xf
+        else:
+            xw = x.to(w.dtype)
+            if IEEE:
+                acc = tl.dot(xw, tl.trans(w), acc, input_precision="ieee")
+                if GATED:
+                    acc_up = tl.dot(xw, tl.trans(w_up), acc_up, input_precision="ieee")
+            else:
+                acc = tl.dot(xw, tl.trans(w), acc)
+                if GATED:
+                    acc_up = tl.dot(xw, tl.trans(w_up), acc_up)
+
+    if BLOCK_M == 1:
+        res = tl.sum(acc, axis=1)[None, :]
+        res_up = tl.sum(acc_up, axis=1)[None, :]
+    else:
+        res = acc
+        res_up = acc_up
+    out_ty = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        res += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            res_up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        gate = res.to(out_ty).to(tl.float32)
+        up = res_up.to(out_ty).to(tl.float32)
+        res = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32) * up
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], res.to(out_ty), mask=out_mask)
+
+
+INTERPRETER_SMS = 8
+"""The SM count block_sizes assumes for CPU tensors (Triton's interpreter, the tests): few programs,
+since the interpreter's cost is per program."""
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def block_sizes(rows: int, n: int, k: int, dtype: torch.dtype, device: torch.device, gated: bool = False):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for `rows` x [n outputs, k inputs]. Untuned: BLOCK_N is
+    the largest power of two in [min, 64] whose grid still has ~2 programs per SM (min 16 for
+    tl.dot, 8 for the elementwise M == 1 path), BLOCK_K keeps a program's tiles in registers."""
+    block_m = 1 if rows == 1 else max(16, triton.next_power_of_2(rows))
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else INTERPRETER_SMS
+    min_n = 8 if block_m == 1 else 16
+    block_n = 64
+    while block_n > min_n and triton.cdiv(n, block_n) < 2 * sms:
+        block_n //= 2
+    wide = dtype == torch.float32 or gated or block_m > 16
+    if block_m == 1:
+        block_k = 256 if block_n <= 16 and not wide else 128
+    else:
+        block_k = 64 if wide else 128
+    block_k = max(16, min(block_k, triton.next_power_of_2(k)))
+    return block_m, block_n, block_k, 4
+
+
+def _launch(x, residual, norm_weight, eps, weight, bias, gated: bool):
+    if x.dim() != 2:
+        raise ValueError(f"expected 2-D x, got {tuple(x.shape)}")
+    rows, k = x.shape
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    if not 0 < rows <= MAX_ROWS:
+        raise ValueError(f"small-row kernels take 1..{MAX_ROWS} rows, got {rows}")
+    if weight.shape[1] != k or not weight.is_contiguous() or (gated and weight.shape[0] % 2):
+        raise ValueError(f"weight {tuple(weight.shape)} (contiguous {weight.is_contiguous()}) does not fit x "
+                         f"{tuple(x.shape)}")
+    if bias is not None and not bias.is_contiguous():
+        raise ValueError("bias must be contiguous")
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    res_out = None
+    if residual is not None:
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+        res_out = torch.empty((rows, k), dtype=x.dtype, device=x.device)
+    block_m, block_n, block_k, warps = block_sizes(rows, n, k, x.dtype, x.device, gated)
+    _small_rows_kernel[(triton.cdiv(n, block_n),)](
+        x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight,
+        weight, bias if bias is not None else weight, out, res_out if res_out is not None else out,
+        rows, n, k, eps, x.stride(0), x.stride(1),
+        residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
+        HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+        GATED=gated, IEEE=x.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    return out, (res_out if residual is not None else x)
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual) @ weight.T + bias, x + residual) in one launch; x [M, K] (any strides),
+    weight [N, K] contiguous, M <= MAX_ROWS. Without a residual the second result is x itself
+    (the first layer: its input is the residual stream)."""
+    return _launch(x, residual, norm_weight, eps, weight, bias, gated=False)
+
+
+def norm_gate_up_silu(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                      gate_up_weight: torch.Tensor, bias: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(gate) * up, x + residual) with [gate | up] = RMSNorm(x + residual) @ gate_up_weight.T + bias,
+    gate_up_weight [2I, K] packed gate rows then up rows (as GatedMLP.gate_up_proj); one launch."""
+    return _launch(x, residual, norm_weight, eps, gate_up_weight, bias, gated=True)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias for x [M <= MAX_ROWS, K] (any strides), weight [N, K] contiguous."""
+    return _launch(x, None, None, 0.0, weight, bias, gated=False)[0]
