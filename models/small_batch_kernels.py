@@ -59,10 +59,12 @@ def _load_rows(x_ptr, res_ptr, res_out_ptr, offs_m, offs_k, mask, stride_xm, str
 def _small_rows_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
                        M, N, K, eps, stride_xm, stride_xk, stride_rm, stride_rk,
                        HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       GATED: tl.constexpr, IEEE: tl.constexpr,
+                       GATED: tl.constexpr, IEEE: tl.constexpr, ONE_TILE: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[M, N] = prologue(x) @ W[N, K].T (+ b); GATED: W is [2N, K] = [gate; up] and
-    out = silu(gate) * up. W contiguous; out and residual_out contiguous [M, N] / [M, K]."""
+    out = silu(gate) * up. W contiguous; out and residual_out contiguous [M, N] / [M, K].
+    ONE_TILE (K <= BLOCK_K): x is read once and the rms computed in the K loop's only iteration,
+    after the weight loads are issued, instead of in a pass of its own."""
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
@@ -70,7 +72,7 @@ def _small_rows_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, out_ptr, res_ou
     n_mask = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * K
 
-    if HAS_NORM:  # pass 1: each row's rms (and residual_out, from column tile 0 only)
+    if HAS_NORM and not ONE_TILE:  # pass 1: each row's rms (and residual_out, from column tile 0 only)
         sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -90,16 +92,23 @@ def _small_rows_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, out_ptr, res_ou
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        x = _load_rows(x_ptr, res_ptr, res_out_ptr, offs_m, offs_k, m_mask[:, None] & k_mask[None, :],
-                       stride_xm, stride_xk, stride_rm, stride_rk, K, False, HAS_RESIDUAL)
-        if HAS_NORM:
-            nw = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0)
-            h = (x.to(tl.float32) * inv[:, None]).to(x.dtype).to(tl.float32) * nw.to(tl.float32)[None, :]
-            x = h.to(x.dtype)
         w_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
         if GATED:
             w_up = tl.load(w_rows + N * K + offs_k[None, :], mask=w_mask, other=0.0)
+        x_mask = m_mask[:, None] & k_mask[None, :]
+        if HAS_NORM and ONE_TILE:   # the whole row is here: its rms, and residual_out from tile 0
+            x = _load_rows(x_ptr, res_ptr, res_out_ptr, offs_m, offs_k, x_mask, stride_xm, stride_xk,
+                           stride_rm, stride_rk, K, pid_n == 0, HAS_RESIDUAL)
+            x32 = x.to(tl.float32)
+            inv = tl.rsqrt(tl.sum(x32 * x32, axis=1) / K + eps)
+        else:
+            x = _load_rows(x_ptr, res_ptr, res_out_ptr, offs_m, offs_k, x_mask, stride_xm, stride_xk,
+                           stride_rm, stride_rk, K, False, HAS_RESIDUAL)
+        if HAS_NORM:
+            nw = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0)
+            h = (x.to(tl.float32) * inv[:, None]).to(x.dtype).to(tl.float32) * nw.to(tl.float32)[None, :]
+            x = h.to(x.dtype)
         if BLOCK_M == 1:
             xf = x.to(tl.float32)  # [1, BLOCK_K] against [BLOCK_N, BLOCK_K]
             acc += w.to(tl.float32) * xf
@@ -135,6 +144,10 @@ def _small_rows_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, out_ptr, res_ou
     tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], res.to(out_ty), mask=out_mask)
 
 
+M1_ACC_ELEMENTS = 8192
+"""fp32 accumulator elements a program of the M == 1 path holds (BLOCK_N x BLOCK_K, both tiles for
+gate_up): 64 registers a thread at 4 warps."""
+
 INTERPRETER_SMS = 8
 """The SM count block_sizes assumes for CPU tensors (Triton's interpreter, the tests): few programs,
 since the interpreter's cost is per program."""
@@ -148,7 +161,10 @@ def _num_sms(device_index: int) -> int:
 def block_sizes(rows: int, n: int, k: int, dtype: torch.dtype, device: torch.device, gated: bool = False):
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for `rows` x [n outputs, k inputs]. Untuned: BLOCK_N is
     the largest power of two in [min, 64] whose grid still has ~2 programs per SM (min 16 for
-    tl.dot, 8 for the elementwise M == 1 path), BLOCK_K keeps a program's tiles in registers."""
+    tl.dot, 8 for the elementwise M == 1 path). M == 1: BLOCK_K as wide as the accumulator budget
+    allows (that loop is not software-pipelined, so fewer, wider iterations), and on a GPU BLOCK_N
+    down to 4 where that brings all of K into one tile (SmolLM2: K 576 -> 1024, one pass over x);
+    tl.dot: 64-128 (the loop is pipelined through shared memory)."""
     block_m = 1 if rows == 1 else max(16, triton.next_power_of_2(rows))
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else INTERPRETER_SMS
@@ -156,11 +172,14 @@ def block_sizes(rows: int, n: int, k: int, dtype: torch.dtype, device: torch.dev
     block_n = 64
     while block_n > min_n and triton.cdiv(n, block_n) < 2 * sms:
         block_n //= 2
-    wide = dtype == torch.float32 or gated or block_m > 16
-    if block_m == 1:
-        block_k = 256 if block_n <= 16 and not wide else 128
+    if block_m == 1:   # the fp32 accumulator(s) [BLOCK_N, BLOCK_K]: ~8192 elements, 64 registers a thread
+        per_n = M1_ACC_ELEMENTS // (2 if gated else 1)
+        whole_k = triton.next_power_of_2(k)
+        if device.type == "cuda" and block_n * whole_k > per_n and per_n // whole_k >= 4:
+            block_n = per_n // whole_k   # narrower tiles, but all of K in one: no separate rms pass
+        block_k = per_n // block_n
     else:
-        block_k = 64 if wide else 128
+        block_k = 64 if dtype == torch.float32 or gated or block_m > 16 else 128
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
     return block_m, block_n, block_k, 4
 
@@ -190,7 +209,7 @@ def _launch(x, residual, norm_weight, eps, weight, bias, gated: bool):
         rows, n, k, eps, x.stride(0), x.stride(1),
         residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
         HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-        GATED=gated, IEEE=x.dtype == torch.float32,
+        GATED=gated, IEEE=x.dtype == torch.float32, ONE_TILE=k <= block_k,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return out, (res_out if residual is not None else x)
 

@@ -110,3 +110,24 @@ def test_shape_byte_counts_match_hf_parameters(tmp_path, name):
     known = {"smollm2-135m": 135e6, "llama-3.2-1b": 1.24e9, "llama-3-8b": 8.03e9, "qwen3-0.6b": 0.6e9}
     total = sum(p.numel() for p in model.parameters())
     assert math.isclose(total, known[name], rel_tol=0.03)
+
+
+def test_linear_bench_cpu_smoke(tmp_path):
+    """bench_linear's code paths bar CUDA graphs and events: both variants of every projection run
+    (the Triton kernels in the interpreter), the table's rows and the JSON agree."""
+    import os
+    import bench_linear
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        assert bench_linear.main(["--device", "cpu", "--shapes", "tiny"]) == {"skipped": "TRITON_INTERPRET is not 1"}
+        pytest.skip("the Triton kernels need TRITON_INTERPRET=1 on a CPU")
+    out = tmp_path / "linear.json"
+    result = bench_linear.main(["--device", "cpu", "--dtype", "float32", "--shapes", "tiny", "--rows", "1", "3",
+                                "--repeats", "2", "--replays", "1", "--json", str(out)])
+    rows = result["rows"]
+    assert [(r["rows"], r["projection"]) for r in rows] == [
+        (m, p) for m in (1, 3) for p in ("qkv", "o", "gate_up", "down", "layer")]
+    for r in rows:
+        assert r["unfused_us"] > 0 and r["fused_us"] > 0 and r["ratio"] == r["unfused_us"] / r["fused_us"]
+    layer = rows[4]
+    assert layer["unfused_us"] == pytest.approx(sum(r["unfused_us"] for r in rows[:4]))
+    assert json.loads(out.read_text())["rows"] == rows

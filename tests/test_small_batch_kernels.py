@@ -144,9 +144,11 @@ def test_block_sizes_fill_the_gpu_and_fit_the_paths(monkeypatch):
         for n, k in ((960, 576), (1536, 576), (4096, 14336), (6144, 4096)):
             block_m, block_n, block_k, _ = sbk.block_sizes(rows, n, k, torch.bfloat16, cuda)
             assert block_m == (1 if rows == 1 else max(16, rows))
-            assert block_n >= (8 if rows == 1 else 16) and block_k >= 16   # tl.dot's minimum
-            assert block_n == (8 if rows == 1 else 16) or -(-n // block_n) >= 2 * 132
-    assert sbk.block_sizes(1, 4096, 14336, torch.bfloat16, cuda)[1] == 8      # 512 programs
+            assert block_n >= (4 if rows == 1 else 16) and block_k >= 16   # tl.dot's minimum
+            assert block_n <= (8 if rows == 1 else 16) or -(-n // block_n) >= 2 * 132
+    assert sbk.block_sizes(1, 4096, 14336, torch.bfloat16, cuda)[1:3] == (8, 1024)   # 512 programs
+    assert sbk.block_sizes(1, 960, 576, torch.bfloat16, cuda)[1:3] == (8, 1024)      # SmolLM2 qkv: one K tile
+    assert sbk.block_sizes(1, 1536, 576, torch.bfloat16, cuda, gated=True)[1:3] == (4, 1024)
 
 
 # --- The model: the small-batch path on vs off -------------------------------------------------
