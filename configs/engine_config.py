@@ -48,6 +48,12 @@ class SchedulerConfig(_Config):
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int = Field(8192, ge=1)
     enable_chunked_prefill: bool = True
+    async_scheduling: bool | None = None
+    """Launch step n+1 before waiting for step n's sampled tokens, so the engine's host work
+    (scheduling, input preparation, the scheduler update, detokenization) overlaps the GPU.
+    None (auto): on for a CUDA device with the single-process executor, off on a CPU and under
+    pipeline parallelism. True forces it on any device (CPU tests use it); it cannot be combined
+    with pipeline_parallel_size > 1."""
 
 
 class CompilationConfig(_Config):
@@ -107,7 +113,19 @@ class EngineConfig(_Config):
             raise ValueError(
                 f"pipeline_layer_split has {len(split)} entries but pipeline_parallel_size is "
                 f"{self.parallel.pipeline_parallel_size}")
+        if self.scheduler.async_scheduling and self.parallel.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"async_scheduling=True is not supported with pipeline_parallel_size="
+                f"{self.parallel.pipeline_parallel_size}: the pipeline executor returns each step's tokens "
+                "synchronously; leave async_scheduling unset (auto) or False")
         return self
+
+    def resolve_async_scheduling(self, device_type: str) -> bool:
+        """The effective async_scheduling for an engine on `device_type` ("cuda" or "cpu")."""
+        value = self.scheduler.async_scheduling
+        if value is None:
+            return device_type == "cuda" and self.parallel.pipeline_parallel_size == 1
+        return value
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

@@ -11,7 +11,7 @@ from pathlib import Path
 from configs import EngineConfig, SamplingParams
 from models.hf_config import load_hf_config, model_spec, resolve_max_model_len
 from runner.detokenizer import IncrementalDetokenizer
-from runner.outputs import RequestMetrics, RequestOutput
+from runner.outputs import PendingOutput, RequestMetrics, RequestOutput
 from runner.platform import resolve_device, resolve_dtype
 from runner.request import Request, RequestStatus
 from runner.scheduler import Scheduler
@@ -82,16 +82,26 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.model.dtype, self.spec, self.device)
         self.max_model_len = resolve_max_model_len(self.spec, config.model.max_model_len)
+        self.async_scheduling = config.resolve_async_scheduling(self.device.type)
+        """Launch step n+1 before waiting for step n's tokens (see `_step_async`)."""
+        if self.async_scheduling and config.parallel.pipeline_parallel_size > 1:
+            raise ValueError("async_scheduling is not supported with pipeline parallelism "
+                             f"(pipeline_parallel_size={config.parallel.pipeline_parallel_size})")
         self.tokenizer = load_tokenizer(config.model.tokenizer or path)
         self.executor = self._make_executor(path)
         try:
             self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks, self.max_model_len,
-                                       eos_token_ids(path, self.spec, self.tokenizer))
+                                       eos_token_ids(path, self.spec, self.tokenizer),
+                                       async_scheduling=self.async_scheduling)
         except BaseException:
             self.executor.shutdown()  # e.g. too few KV blocks: release pipeline workers at once
             raise
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
+        self._in_flight: PendingOutput | None = None
+        """The launched step whose tokens the next step() applies (async scheduling)."""
+        self._undelivered: list[RequestOutput] = []
+        """Outputs of an applied step that a failing launch kept from being returned; the next step() returns them."""
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "LLMEngine":
@@ -160,11 +170,17 @@ class LLMEngine:
         return self._output(tracked)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to serve, or a step in flight whose outputs the next step() returns."""
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._undelivered)
 
     # ---- steps -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduler step and one forward; outputs of every request that got a token."""
+        """One scheduler step and one forward; outputs of every request that got a token.
+
+        With async scheduling the forward launched here is the next one, and the outputs are
+        those of the step launched by the previous call (none on the first call)."""
+        if self.async_scheduling:
+            return self._step_async()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             if sched.finished_ids or sched.preempted_ids:
@@ -175,6 +191,10 @@ class LLMEngine:
         except BaseException:
             self.scheduler.cancel_step()  # the engine stays usable: the same step runs again next time
             raise
+        return self._apply(result)
+
+    def _apply(self, result) -> list[RequestOutput]:
+        """A step's tokens into the scheduler (stops, frees), then text, stop strings and outputs."""
         now = time.monotonic()
         outputs = []
         for request in self.scheduler.update(result.sampled):
@@ -182,6 +202,48 @@ class LLMEngine:
             if tracked is not None:
                 outputs.append(self._advance(tracked, result, now))
         return outputs
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Schedule and launch step n+1, then wait for step n's tokens and apply them.
+
+        The scheduler plans n+1 with step n in flight: placeholders for n's tokens (the runner
+        gathers them on the device), and no request whose token in flight certainly ends it.
+        Requests that stopped at step n lose their n+1 work when n is applied. When n+1 would
+        have to preempt, step n is applied first (a drain) and n+1 scheduled after it."""
+        outputs = self._undelivered  # grows as steps are applied; kept for the next call if anything raises
+        previous = self._in_flight
+        sched = self.scheduler.schedule()
+        if sched is None:  # it would preempt blocks the step in flight writes: apply that step first
+            self._in_flight = None
+            outputs += self._resolve_and_apply(previous)
+            previous = None
+            sched = self.scheduler.schedule()
+        pending = None
+        if sched.scheduled:
+            try:
+                pending = self.executor.execute_async(sched)
+            except BaseException:
+                self.scheduler.cancel_step()  # the step in flight, if any, stays: the next call applies it
+                raise
+        elif sched.finished_ids or sched.preempted_ids:
+            self.executor.execute(sched)  # lets the runner drop per-request state (generators)
+        self._in_flight = pending
+        if previous is not None:
+            outputs += self._resolve_and_apply(previous)
+        self._undelivered = []
+        return outputs
+
+    def _resolve_and_apply(self, pending: PendingOutput) -> list[RequestOutput]:
+        try:
+            result = pending.resolve()
+        except BaseException:
+            # Its tokens are lost, and the step launched after it fed on them: forget both; the
+            # next schedule() hands out the same work again (blocks stay with their requests).
+            self._in_flight = None
+            while self.scheduler.num_steps_pending:
+                self.scheduler.cancel_step()
+            raise
+        return self._apply(result)
 
     def _advance(self, tracked: _Tracked, result, now: float) -> RequestOutput:
         """A request got a token: metrics, logprobs, text and stop strings, then its output."""

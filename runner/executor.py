@@ -9,7 +9,7 @@ import torch
 from configs import EngineConfig
 from models.hf_config import ModelSpec
 from runner.model_runner import ModelRunner
-from runner.outputs import ModelRunnerOutput
+from runner.outputs import ModelRunnerOutput, PendingOutput
 from runner.platform import num_kv_blocks
 from runner.scheduler import SchedulerOutput
 
@@ -40,6 +40,10 @@ class UniProcExecutor:
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute(sched)
+
+    def execute_async(self, sched: SchedulerOutput) -> PendingOutput:
+        """Launch the step and return at once (async scheduling); `.resolve()` gives its tokens."""
+        return self.model_runner.execute_async(sched)
 
     def shutdown(self) -> None:
         """Nothing to release: the model lives in this process and goes with it."""

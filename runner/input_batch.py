@@ -46,7 +46,7 @@ class _Buffer:
 
 class InputBatch:
     def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, guard_uploads: bool = False) -> None:
         self.max_num_tokens, self.max_num_reqs, self.block_size = max_num_tokens, max_num_reqs, block_size
         self.input_ids = _Buffer((max_num_tokens,), torch.int64, device)
         self.positions = _Buffer((max_num_tokens,), torch.int64, device)
@@ -56,8 +56,16 @@ class InputBatch:
         self.seq_lens = _Buffer((max_num_reqs,), torch.int32, device)
         self.block_table = _Buffer((max_num_reqs, max_blocks_per_req), torch.int32, device)
         self.num_computed = _Buffer((max_num_reqs,), torch.int32, torch.device("cpu"))
+        # Placeholder inputs (async scheduling): token rows to fill, and the previous step's sampled rows.
+        self.placeholder_token_rows = _Buffer((max_num_reqs,), torch.int64, device)
+        self.placeholder_sample_rows = _Buffer((max_num_reqs,), torch.int64, device)
         self.on_device = device.type != "cpu"
         """Host buffers are copied to separate device ones (on a CPU they are the same tensors)."""
+        self.guard_uploads = guard_uploads and device.type == "cuda"
+        """With a step in flight (async scheduling) the next `prepare` may run before this step's
+        non-blocking uploads have left the pinned host buffers; an event recorded after them is
+        waited for before the buffers are written again."""
+        self._uploads_done: torch.cuda.Event | None = None
         self._request_view_cache: dict[int, dict[str, torch.Tensor]] = {}
         self._token_view_cache: dict[int, dict[str, torch.Tensor]] = {}
         self._arange = np.arange(max(max_num_tokens, max_num_reqs) + 1, dtype=np.int64)
@@ -68,13 +76,18 @@ class InputBatch:
 
     def prepare(self, token_ids: list[list[int]], num_computed: list[int], block_ids: list[list[int]],
                 padded_tokens: int, padded_reqs: int, slots_enabled: bool = True,
-                block_table_ids: list[int] | None = None) -> CommonAttentionMetadata:
+                block_table_ids: list[int] | None = None,
+                placeholders: tuple[list[int], list[int], torch.Tensor] | None = None) -> CommonAttentionMetadata:
         """Fill the buffers for requests with these new tokens, context lengths and block tables.
 
         Padded token rows get slot -1 and request index -1; padded requests get query length 0
         and seq_len 0. `slots_enabled=False` marks every row inert (graph capture warm-up).
         `block_table_ids` name the tables (`Request.block_table_id`) so that rows already
-        holding them are only extended; without them every row is written whole."""
+        holding them are only extended; without them every row is written whole.
+        `placeholders` = (token rows, sampled rows, the previous step's sampled tokens on the
+        device): those input ids are gathered on the device after the upload (async scheduling)."""
+        if self._uploads_done is not None:
+            self._uploads_done.synchronize()  # the last step's uploads have left the staging buffers
         num_reqs = len(token_ids)
         if num_reqs > padded_reqs or padded_reqs > self.max_num_reqs:
             raise ValueError(f"{num_reqs} requests padded to {padded_reqs} exceed max_num_seqs {self.max_num_reqs}")
@@ -102,6 +115,12 @@ class InputBatch:
                               (self.token_request_index, padded_tokens), (self.input_ids, padded_tokens),
                               (self.positions, padded_tokens)):
                 buffer.upload(n)
+        if placeholders is not None:
+            self._fill_placeholders(*placeholders)
+        if self.guard_uploads:
+            if self._uploads_done is None:
+                self._uploads_done = torch.cuda.Event()
+            self._uploads_done.record()
         return CommonAttentionMetadata(**self._request_views(padded_reqs), **self._token_views(padded_tokens),
                                        num_reqs=padded_reqs, num_actual_tokens=num_tokens,
                                        max_query_len=max_query_len, max_seq_len=max_seq_len,
@@ -204,6 +223,17 @@ class InputBatch:
             if row_lens[row]:
                 table[row, :row_lens[row]] = 0
             row_ids[row], row_lens[row] = None, 0
+
+    def _fill_placeholders(self, token_rows: list[int], sample_rows: list[int], prev_sampled: torch.Tensor) -> None:
+        """input_ids[token_rows] = prev_sampled[sample_rows], on the device: no host sync, and the
+        input buffer keeps its address (graphs read it)."""
+        n = len(token_rows)
+        self.placeholder_token_rows.np[:n] = token_rows
+        self.placeholder_sample_rows.np[:n] = sample_rows
+        self.placeholder_token_rows.upload(n)
+        self.placeholder_sample_rows.upload(n)
+        dst, src = self.placeholder_token_rows.views(n)[1], self.placeholder_sample_rows.views(n)[1]
+        self.input_ids.gpu.index_copy_(0, dst, prev_sampled.index_select(0, src).to(self.input_ids.gpu.dtype))
 
     def model_inputs(self, padded_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.input_ids.views(padded_tokens)[1], self.positions.views(padded_tokens)[1]

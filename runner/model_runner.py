@@ -7,6 +7,7 @@ never captured: `cuda_graph_ready` stays False), `initialize_kv_cache`, then
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -22,7 +23,7 @@ from runner.cudagraph import (CUDA_GRAPHS, BatchDescriptor, CapturePhase, CUDAGr
                               capture_all, default_capture_sizes, graph_pool,
                               measure_graph_memory, prime_capture_stream, resolve_cudagraph_mode)
 from runner.input_batch import InputBatch
-from runner.outputs import ModelRunnerOutput
+from runner.outputs import ModelRunnerOutput, PendingOutput
 from runner.sampler import Sampler, SamplingMetadata, make_generator
 from runner.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -49,7 +50,13 @@ class ModelRunner:
         sizes = [s for s in sizes if s <= self.max_num_tokens]
         self.dispatcher = CudagraphDispatcher(self.cudagraph_mode, sizes, self.max_num_reqs)
         max_blocks = -(-max_model_len // self.block_size)
-        self.input_batch = InputBatch(self.max_num_tokens, self.max_num_reqs, max_blocks, self.block_size, device)
+        self.async_scheduling = config.resolve_async_scheduling(device.type)
+        # With a step in flight the host writes the next step's inputs while the last step's
+        # uploads may still be queued: the input batch then guards its pinned staging buffers.
+        self.input_batch = InputBatch(self.max_num_tokens, self.max_num_reqs, max_blocks, self.block_size, device,
+                                      guard_uploads=self.async_scheduling)
+        self._prev_sampled: torch.Tensor | None = None
+        """The last launched step's sampled tokens on the device (async): placeholders gather from it."""
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] | None = None
@@ -224,9 +231,15 @@ class ModelRunner:
         reqs = sched.scheduled
         padded_tokens = desc.num_tokens if desc is not None else sched.num_scheduled_tokens
         padded_reqs = max(len(reqs), desc.num_reqs) if desc is not None and mode == CUDAGraphMode.FULL else len(reqs)
+        placeholders = None
+        if sched.prev_token_rows:
+            if self._prev_sampled is None:
+                raise RuntimeError("the step feeds placeholder tokens but no previous step's tokens are on the device")
+            placeholders = (sched.prev_token_rows, sched.prev_sample_rows, self._prev_sampled)
         common = self.input_batch.prepare([r.token_ids for r in reqs], [r.num_computed_tokens for r in reqs],
                                           [r.block_ids for r in reqs], padded_tokens, padded_reqs,
-                                          block_table_ids=[r.block_table_id for r in reqs])
+                                          block_table_ids=[r.block_table_id for r in reqs],
+                                          placeholders=placeholders)
         return mode, desc, padded_tokens, common
 
     def padded_num_tokens(self, sched: SchedulerOutput) -> int:
@@ -249,6 +262,90 @@ class ModelRunner:
             return hidden
         return self.sample(sched.scheduled, hidden, common)
 
+    @torch.inference_mode()
+    def execute_async(self, sched: SchedulerOutput) -> PendingOutput:
+        """Launch one scheduled step without waiting for it (async scheduling): placeholder inputs
+        are gathered on the device from the previous launch's tokens, and the sampled tokens stay
+        on the device with a non-blocking copy to pinned host memory under way. Single process
+        only (the whole model, so this runner samples)."""
+        for request_id in sched.finished_ids + sched.preempted_ids:
+            self.generators.pop(request_id, None)
+        if not sched.scheduled:
+            return PendingOutput.ready(ModelRunnerOutput({}))
+        mode, desc, padded_tokens, common = self.prepare(sched)
+        hidden = self._forward(padded_tokens, common, mode, desc)
+        pending = self.sample_async(sched.scheduled, hidden, common)
+        self._prev_sampled = pending.sampled  # last: a failed launch leaves the previous step's tokens
+        return pending
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A small host tensor to the device without a host sync (a pageable copy would wait for
+        the step in flight): through pinned memory, which the caching host allocator keeps until
+        the copy has run."""
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _sampling_logits(self, reqs: list[ScheduledRequest], rows: list[int], hidden: torch.Tensor, common,
+                         to_device) -> torch.Tensor:
+        if common.uniform_decode and len(rows) == len(reqs):  # row i's one token is hidden row i: no gather
+            return self.model.compute_logits(hidden[:len(reqs)])
+        last_token = common.query_start_loc_cpu[torch.tensor(rows) + 1].long() - 1
+        return self.model.compute_logits(hidden[to_device(last_token)])
+
+    def _generators(self, reqs: list[ScheduledRequest], rows: list[int]) -> dict[int, torch.Generator]:
+        generators = {}
+        for row, i in enumerate(rows):
+            seed = reqs[i].sampling_params.seed
+            if seed is not None:
+                rid = reqs[i].request_id
+                if rid not in self.generators:
+                    self.generators[rid] = make_generator(seed, self.device)
+                generators[row] = self.generators[rid]
+        return generators
+
+    def sample_async(self, reqs: list[ScheduledRequest], hidden: torch.Tensor, common) -> PendingOutput:
+        """`sample` without the host sync: the tokens stay on the device (`PendingOutput.sampled`)
+        and go to pinned host memory by a non-blocking copy that a CUDA event marks."""
+        rows = [i for i, r in enumerate(reqs) if r.sample]
+        if not rows:
+            return PendingOutput.ready(ModelRunnerOutput({}))
+        logits = self._sampling_logits(reqs, rows, hidden, common, self._to_device)
+        params = [reqs[i].sampling_params for i in rows]
+        logprobs = None
+        if all(p.temperature == 0.0 and p.logprobs is None for p in params):
+            sampled = logits.argmax(dim=-1)
+        else:
+            metadata = SamplingMetadata.from_params(params, self._generators(reqs, rows), "cpu")
+            if self.device.type != "cpu":
+                metadata = dataclasses.replace(
+                    metadata, temperature=self._to_device(metadata.temperature),
+                    top_k=self._to_device(metadata.top_k), top_p=self._to_device(metadata.top_p),
+                    min_p=self._to_device(metadata.min_p))
+            result = self.sampler(logits, metadata)
+            sampled, logprobs = result.sampled_token_ids, result.logprobs
+        # Non-blocking to the host: pinned destinations (`_to_copy` pins them for a CUDA source).
+        host = sampled.to("cpu", non_blocking=True)
+        host_logprobs = None
+        if logprobs is not None:
+            host_logprobs = [t.to("cpu", non_blocking=True) for t in (logprobs.topk_token_ids, logprobs.topk_logprobs,
+                                                                       logprobs.sampled_logprobs)]
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        request_ids = [reqs[i].request_id for i in rows]
+
+        def finish() -> ModelRunnerOutput:
+            token_ids = host.tolist()
+            output = ModelRunnerOutput(dict(zip(request_ids, token_ids)))
+            if host_logprobs is not None:
+                top_ids, top_lps, sampled_lps = (t.tolist() for t in host_logprobs)
+                output.logprobs = self._logprobs_entries(reqs, rows, token_ids, sampled_lps, top_ids, top_lps)
+            return output
+
+        return PendingOutput(finish, event, sampled)
+
     def sample(self, reqs: list[ScheduledRequest], hidden: torch.Tensor, common) -> ModelRunnerOutput:
         rows = [i for i, r in enumerate(reqs) if r.sample]
         if not rows:
@@ -262,15 +359,7 @@ class ModelRunner:
         if all(p.temperature == 0.0 and p.logprobs is None for p in params):
             token_ids = logits.argmax(dim=-1).tolist()  # the common greedy case: no sampling metadata
             return ModelRunnerOutput(dict(zip([reqs[i].request_id for i in rows], token_ids)))
-        generators = {}
-        for row, i in enumerate(rows):
-            seed = reqs[i].sampling_params.seed
-            if seed is not None:
-                rid = reqs[i].request_id
-                if rid not in self.generators:
-                    self.generators[rid] = make_generator(seed, self.device)
-                generators[row] = self.generators[rid]
-        result = self.sampler(logits, SamplingMetadata.from_params(params, generators, self.device))
+        result = self.sampler(logits, SamplingMetadata.from_params(params, self._generators(reqs, rows), self.device))
         token_ids = result.sampled_token_ids.tolist()
         sampled = {reqs[i].request_id: token_ids[row] for row, i in enumerate(rows)}
         return ModelRunnerOutput(sampled, self._logprobs_dict(reqs, rows, result))
@@ -282,6 +371,10 @@ class ModelRunner:
         lp = result.logprobs
         top_ids, top_lps = lp.topk_token_ids.tolist(), lp.topk_logprobs.tolist()
         sampled_ids, sampled_lps = result.sampled_token_ids.tolist(), lp.sampled_logprobs.tolist()
+        return ModelRunner._logprobs_entries(reqs, rows, sampled_ids, sampled_lps, top_ids, top_lps)
+
+    @staticmethod
+    def _logprobs_entries(reqs, rows, sampled_ids, sampled_lps, top_ids, top_lps) -> dict[str, dict[int, float]]:
         out = {}
         for row, i in enumerate(rows):
             k = reqs[i].sampling_params.logprobs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -11,6 +12,39 @@ class ModelRunnerOutput:
     sampled: dict[str, int]
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     """request id -> {token id: logprob} for the sampled token and the top-k, when asked."""
+
+
+class PendingOutput:
+    """A launched step's sampled tokens on their way to the host (async scheduling).
+
+    `sampled` is the step's token tensor on the device, one row per sampling request in schedule
+    order (what the next step's placeholders gather from). `resolve()` waits for the step's
+    event (CUDA; None on a CPU, where the step already ran) and then builds the
+    ModelRunnerOutput from the host copies, once."""
+
+    __slots__ = ("sampled", "_event", "_finish", "_result")
+
+    def __init__(self, finish: Callable[[], ModelRunnerOutput], event=None, sampled=None) -> None:
+        self.sampled = sampled
+        self._event, self._finish, self._result = event, finish, None
+
+    @classmethod
+    def ready(cls, output: ModelRunnerOutput) -> "PendingOutput":
+        pending = cls(None)
+        pending._result = output
+        return pending
+
+    @property
+    def done(self) -> bool:
+        """Resolved already, or its copies have landed (resolve() would not wait)."""
+        return self._result is not None or self._event is None or self._event.query()
+
+    def resolve(self) -> ModelRunnerOutput:
+        if self._result is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._result, self._finish = self._finish(), None
+        return self._result
 
 
 @dataclass

@@ -58,6 +58,16 @@ class Request:
     max_output_tokens: int = 0
     """The length limit as an output count: max_tokens, or what max_model_len leaves after the
     prompt if that is less. Set by the scheduler on `add_request`."""
+    num_inflight_tokens: int = 0
+    """Tokens scheduled in steps whose results are not applied yet (async scheduling): the
+    scheduler counts `num_computed_tokens + num_inflight_tokens` as computed when it schedules
+    the next step. 0 outside of `schedule()` ... `update()` in the synchronous engine."""
+    num_output_placeholders: int = 0
+    """Output tokens sampled by scheduled steps but not yet appended (at most one while the
+    scheduler plans a step: that of the step in flight)."""
+    placeholder_row: int = -1
+    """Row of the latest placeholder in its step's sampled-token tensor (the order of the step's
+    sampling requests): a step that feeds the placeholder reads its token there, on the device."""
 
     def __post_init__(self) -> None:
         # A private copy: the caller's list must not grow or shrink under the scheduler.

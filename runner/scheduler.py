@@ -5,6 +5,16 @@ Running requests go first in arrival order (a decode adds one token; a chunked p
 as much of the rest as the budget allows), then waiting requests in FCFS order. When the KV
 cache is full, the latest-arrived running request is preempted by recompute: its blocks are
 freed and it goes back to the front of the queue to recompute prompt + outputs later.
+
+Async scheduling: `schedule()` may plan step n+1 while step n is in flight (scheduled, not yet
+`update`d; at most one). A request then counts `num_computed_tokens + num_inflight_tokens` as
+computed and, when step n samples it, one placeholder token past its known ones: a decode that
+feeds it is scheduled with `token_ids=[PLACEHOLDER_TOKEN_ID]` and `input_from_prev` = its row in
+step n's sampled tokens, which the runner gathers on the device. A request whose placeholder
+certainly ends it (the length limit) is not scheduled; one that turns out to have stopped at
+step n (stop token, stop string, abort) is finished by then and `update` skips its step n+1
+work. A step that would need to preempt returns None instead: the caller applies step n first
+and schedules again (a drain), so no request loses blocks that a step in flight writes.
 """
 
 from __future__ import annotations
@@ -13,7 +23,7 @@ import bisect
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from configs import CacheConfig, SamplingParams, SchedulerConfig
 from runner.kv_cache_manager import KVCacheManager, cdiv
@@ -28,8 +38,15 @@ class ScheduledRequest:           # one request's share of a step
     block_ids: list[int]          # the request's whole block table: its live list, not a copy (read it this step)
     sample: bool                  # True when this step yields the request's next token
     sampling_params: SamplingParams
-    output_token_count: int       # tokens generated so far (for per-request seeded generators)
+    output_token_count: int       # tokens generated so far, placeholders included
     block_table_id: int = -1      # Request.block_table_id: same id, same table (grown at most); -1 = unknown
+    input_from_prev: int = -1     # >= 0: token_ids is [PLACEHOLDER_TOKEN_ID]; the token is this row of the
+                                  # previous step's sampled tokens (async scheduling)
+
+
+PLACEHOLDER_TOKEN_ID = -1
+"""Stands for a token the step in flight has not returned yet; never reaches the model (the
+runner overwrites it on the device) and is out of every vocabulary, so a slip fails loudly."""
 
 
 @dataclass
@@ -38,11 +55,24 @@ class SchedulerOutput:
     num_scheduled_tokens: int     # >= len(scheduled): every scheduled request feeds at least one token
     preempted_ids: list[str]
     finished_ids: list[str]       # freed this step (abort / finished last step)
+    prev_token_rows: list[int] = field(default_factory=list)
+    """Token rows of this step whose input is a placeholder (one per `input_from_prev >= 0` request)..."""
+    prev_sample_rows: list[int] = field(default_factory=list)
+    """...and, in the same order, the rows of the previous step's sampled tokens that fill them."""
+
+
+@dataclass(slots=True)
+class _Step:
+    """A scheduled step until `update` applies it (or `cancel_step` forgets it)."""
+    entries: list[tuple[Request, int, bool, int]]
+    """(request, tokens scheduled, samples, its placeholder_row before this step) in schedule order."""
+    sampling: set[str]
+    """Ids of the requests the step yields a token for."""
 
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 max_model_len: int, eos_token_ids: set[int]) -> None:
+                 max_model_len: int, eos_token_ids: set[int], async_scheduling: bool | None = None) -> None:
         needed = cdiv(max_model_len, cache_config.block_size)
         if needed > num_blocks:
             raise ValueError(
@@ -50,6 +80,9 @@ class Scheduler:
                 f"({num_blocks * cache_config.block_size} tokens), but max_model_len={max_model_len} "
                 f"needs {needed} blocks for one request; lower max_model_len or give the cache more memory")
         self.config = scheduler_config
+        self.async_scheduling = bool(scheduler_config.async_scheduling if async_scheduling is None
+                                     else async_scheduling)
+        """May schedule a step while the previous one is in flight (the engine resolves auto)."""
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
@@ -58,12 +91,12 @@ class Scheduler:
         self.running: list[Request] = []
         """Kept in arrival order: scheduled first, preempted last."""
         self.num_preemptions = 0
+        self.num_drains = 0
+        """schedule() calls that returned None: a preemption waited for the step in flight."""
         self._arrival = itertools.count()
         self._priority: dict[str, int] = {}
-        self._step: list[tuple[Request, int, bool]] = []
-        """(request, tokens scheduled, samples) of the last schedule(), consumed by update()."""
-        self._step_sampling: set[str] = set()
-        """Ids of the requests the last schedule() expects a token from."""
+        self._steps: deque[_Step] = deque()
+        """Scheduled steps not yet applied, oldest first: one, or two while one is in flight."""
         self._finished_ids: list[str] = []
         """Freed since the last schedule(); reported once so the runner drops their state."""
 
@@ -118,22 +151,44 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.requests)
 
+    @property
+    def num_steps_pending(self) -> int:
+        """Scheduled steps whose results `update` has not applied yet."""
+        return len(self._steps)
+
     # ---- one step ------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        if self._step:
-            raise RuntimeError("schedule() called again before update() consumed the previous step")
+    def schedule(self) -> SchedulerOutput | None:
+        """Plan the next step. With async scheduling one step may be in flight (scheduled, not yet
+        updated); then this returns None when the step would have to preempt: apply the step in
+        flight first (`update`) and call again."""
+        steps = self._steps
+        if steps and (len(steps) > 1 or not self.async_scheduling):
+            raise RuntimeError("schedule() called again before update() consumed the previous step"
+                               + (" (async scheduling allows one step in flight)" if self.async_scheduling else ""))
+        in_flight = bool(steps)
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        step = _Step([], set())
+        prev_token_rows: list[int] = []
+        prev_sample_rows: list[int] = []
 
         running, kv, index = self.running, self.kv, 0
         while index < len(running) and budget > 0:
             request = running[index]
-            num_tokens = request.num_tokens
-            num_new = num_tokens - request.num_computed_tokens
+            placeholders = request.num_output_placeholders
+            if placeholders and request.num_output_tokens + placeholders >= request.max_output_tokens:
+                index += 1  # the token in flight reaches the length limit: nothing left to compute
+                continue
+            num_tokens = request.num_tokens + placeholders
+            num_new = num_tokens - request.num_computed_tokens - request.num_inflight_tokens
             if num_new > budget:
                 num_new = budget
             while not kv.allocate_slots(request, num_new):
+                if in_flight:  # preempting would free blocks the step in flight writes: drain first
+                    self._undo(step)
+                    self.num_drains += 1
+                    return None
                 if len(running) == 1:  # unreachable given the constructor's check
                     raise RuntimeError(f"request {request.request_id!r} does not fit in an empty KV cache")
                 victim = running.pop()  # the latest arrival
@@ -142,7 +197,10 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled.append(self._entry(request, num_new, num_tokens))
+                if placeholders:  # a decode of the token in flight: the runner fills it in on the device
+                    prev_token_rows.append(self.config.max_num_batched_tokens - budget)
+                    prev_sample_rows.append(request.placeholder_row)
+                scheduled.append(self._entry(step, request, num_new, num_tokens, placeholders))
                 budget -= num_new
                 index += 1
                 continue
@@ -166,23 +224,44 @@ class Scheduler:
             request.num_computed_tokens = request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: self._priority[r.request_id])
-            scheduled.append(self._entry(request, num_new, num_tokens))
+            scheduled.append(self._entry(step, request, num_new, num_tokens, 0))
             budget -= num_new
 
+        if scheduled:
+            steps.append(step)
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(scheduled=scheduled, num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
-                               preempted_ids=preempted, finished_ids=finished)
+        return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted, finished,
+                               prev_token_rows, prev_sample_rows)
 
-    def _entry(self, request: Request, num_new: int, num_tokens: int) -> ScheduledRequest:
-        """The request's share of the step, remembered for update()."""
-        start = request.num_computed_tokens
+    def _entry(self, step: _Step, request: Request, num_new: int, num_tokens: int,
+               placeholders: int) -> ScheduledRequest:
+        """The request's share of the step, remembered for update(). `num_tokens` counts the
+        request's placeholder, if any (then the step feeds just that one token)."""
+        start = request.num_computed_tokens + request.num_inflight_tokens
         sample = start + num_new == num_tokens
-        self._step.append((request, num_new, sample))
+        row = request.placeholder_row
+        step.entries.append((request, num_new, sample, row))
+        request.num_inflight_tokens += num_new
+        if placeholders:
+            token_ids, input_from_prev = [PLACEHOLDER_TOKEN_ID], row
+        else:
+            token_ids, input_from_prev = request.token_ids_slice(start, start + num_new), -1
         if sample:
-            self._step_sampling.add(request.request_id)
-        return ScheduledRequest(request.request_id, request.token_ids_slice(start, start + num_new), start,
-                                request.block_ids, sample, request.sampling_params,
-                                len(request.output_token_ids), request.block_table_id)
+            request.num_output_placeholders += 1
+            request.placeholder_row = len(step.sampling)  # the order of the step's sampled tokens
+            step.sampling.add(request.request_id)
+        return ScheduledRequest(request.request_id, token_ids, start, request.block_ids, sample,
+                                request.sampling_params, len(request.output_token_ids) + placeholders,
+                                request.block_table_id, input_from_prev)
+
+    @staticmethod
+    def _undo(step: _Step) -> None:
+        """Forget a step's in-flight accounting (its blocks stay: the same work comes again)."""
+        for request, num_new, sample, previous_row in reversed(step.entries):
+            request.num_inflight_tokens -= num_new
+            if sample:
+                request.num_output_placeholders -= 1
+                request.placeholder_row = previous_row
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -195,8 +274,10 @@ class Scheduler:
     def cancel_step(self) -> None:
         """The last scheduled step failed before producing results: forget it. Nothing advanced
         (num_computed_tokens moves only in update), blocks stay with their requests, so the
-        next schedule() hands out the same work again."""
-        self._step, self._step_sampling = [], set()
+        next schedule() hands out the same work again. With a step in flight this forgets the
+        newer one; call it again to forget the step in flight too (its results are lost)."""
+        if self._steps:
+            self._undo(self._steps.pop())
 
     def update(self, sampled) -> list[Request]:
         """Apply a step's results: `sampled` is {request id: token} or a ModelRunnerOutput.
@@ -207,20 +288,24 @@ class Scheduler:
         Returns the requests that got a token, finished or not.
         """
         sampled = getattr(sampled, "sampled", sampled)
-        if sampled.keys() != self._step_sampling:
-            self._check_sampled(sampled)
-        step, self._step, self._step_sampling = self._step, [], set()
+        step = self._steps[0] if self._steps else _Step([], set())
+        if sampled.keys() != step.sampling:
+            self._check_sampled(step, sampled)
+        if self._steps:
+            self._steps.popleft()
         block_size, caching = self.kv.block_size, self.kv.enable_prefix_caching
         updated: list[Request] = []
-        for request, num_new, sample in step:
+        for request, num_new, sample, _ in step.entries:
             if request.status is not RequestStatus.RUNNING:
-                continue
+                continue  # finished since (a stop, an abort): a later step's work for it is dropped too
             start = request.num_computed_tokens
             request.num_computed_tokens = start + num_new
+            request.num_inflight_tokens -= num_new
             if caching and (start + num_new) // block_size != start // block_size:
                 self.kv.cache_full_blocks(request)  # a block filled up: blocks fill only at a boundary
             if not sample:
                 continue
+            request.num_output_placeholders -= 1
             token = sampled[request.request_id]
             outputs = request.output_token_ids
             outputs.append(token)
@@ -234,12 +319,13 @@ class Scheduler:
             updated.append(request)
         return updated
 
-    def _check_sampled(self, sampled: dict[str, int]) -> None:
+    @staticmethod
+    def _check_sampled(step: _Step, sampled: dict[str, int]) -> None:
         """The runner's tokens must be exactly those the live requests of the step expect; tokens
         of requests finished or aborted since schedule() may be there or not."""
-        live = {request.request_id for request, _, _ in self._step if request.status is RequestStatus.RUNNING}
-        expected = self._step_sampling & live
-        gone = {request.request_id for request, _, _ in self._step} - live
+        live = {request.request_id for request, *_ in step.entries if request.status is RequestStatus.RUNNING}
+        expected = step.sampling & live
+        gone = {request.request_id for request, *_ in step.entries} - live
         missing, unexpected = expected - sampled.keys(), sampled.keys() - expected - gone
         if missing or unexpected:
             raise RuntimeError(f"sampled tokens do not match the schedule: missing "
@@ -269,4 +355,5 @@ class Scheduler:
         return {"num_running": len(self.running), "num_waiting": len(self.waiting),
                 "kv_cache_usage": self.kv.usage, "prefix_cache_hit_rate": self.kv.prefix_cache_hit_rate,
                 "prefix_cache_queries": self.kv.prefix_cache_queries,
-                "prefix_cache_hits": self.kv.prefix_cache_hits, "num_preemptions": self.num_preemptions}
+                "prefix_cache_hits": self.kv.prefix_cache_hits, "num_preemptions": self.num_preemptions,
+                "num_drains": self.num_drains}
