@@ -39,10 +39,14 @@ class PendingOutput:
         """Resolved already, or its copies have landed (resolve() would not wait)."""
         return self._result is not None or self._event is None or self._event.query()
 
+    def wait(self) -> None:
+        """Block until the step's tokens are in host memory: the one GPU wait of an async step."""
+        if self._event is not None:
+            self._event.synchronize()
+
     def resolve(self) -> ModelRunnerOutput:
         if self._result is None:
-            if self._event is not None:
-                self._event.synchronize()
+            self.wait()
             self._result, self._finish = self._finish(), None
         return self._result
 

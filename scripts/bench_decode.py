@@ -2,7 +2,7 @@
 
     python scripts/bench_decode.py [--shapes smollm2-135m llama-3.2-1b llama-3-8b]
         [--batch-sizes 1 8 32 128] [--modes NONE PIECEWISE FULL] [--warmup 5] [--steps 20]
-        [--prompt-len 128] [--no-hf] [--hf-max-batch N] [--quick]
+        [--prompt-len 128] [--async-scheduling {auto,on,off}] [--no-hf] [--hf-max-batch N] [--quick]
         [--json docs/bench_decode.json] [--plot docs/bench_decode.png]
 
 Model shapes come from scripts/model_shapes.py, with random (`load_format="dummy"`) bf16 weights.
@@ -12,21 +12,33 @@ run until every request has its first token (prefill, chunked as the scheduler l
 `--warmup` decode steps are discarded and `--steps` decode steps are timed. Each decode step is
 a uniform batch of B one-token requests, so it replays the graph captured for B.
 
+`--async-scheduling` (default `auto`: on for CUDA) is passed to the engine. With it on, `engine.step()`
+launches step n+1 and then waits for step n's tokens, so the GPU work of a step is still in
+flight when `step()` returns and events around the call no longer bracket one step.
+
 How a step is timed (CUDA events; `time.perf_counter` on a CPU):
 
     start ─ schedule, prepare inputs, metadata ─ forward ─ forward + logits + sample ─ sampled ─ update, outputs ─ end
                                                  (event)                              (event)
 
-- `ms/step`: `start -> end`, events recorded right before and after `engine.step()`. The engine
-  copies the sampled tokens to the host inside the step, so the GPU is idle at both ends and
-  the figure is everything a served decode step costs: host work, launches, kernels, sampling.
-- `host ms`: the part of the step that is host work outside the model: `start -> forward`
-  (scheduler, input preparation, attention metadata) plus `sampled -> end` (scheduler update,
-  detokenizer, outputs). Two more events are recorded by wrapping the model runner's `forward`
-  (just before the model or graph is launched) and `sample` (just after the sampled tokens
-  reached the host, where the GPU is idle again). The GPU has no work queued during these two
-  intervals, so this is the host time per step that no graph can hide. Launch overhead inside
-  the forward is NOT in it: that is the `start->end` difference between the modes.
+- `ms/step`: the median interval between consecutive steps' `sampled` events: the inter-token
+  latency, in both modes. `sampled` is recorded by wrapping the model runner's `sample` (sync:
+  just after the tokens reached the host) and `sample_async` (async: just after the sampling
+  kernels and the tokens' copy to the host were enqueued), so on the GPU timeline it marks a
+  step's tokens being ready. Synchronous, the GPU idles during the host work, and the interval is
+  everything a served decode step costs (host work, launches, kernels, sampling; `call ms`, the
+  `start -> end` events around `engine.step()`, is the same less the benchmark's own loop);
+  async, the host work of one step overlaps the GPU work of the next.
+- `host ms`: the part of the step that is host work outside the model.
+  Synchronous: `start -> forward` (scheduler, input preparation, attention metadata) plus
+  `sampled -> end` (scheduler update, detokenizer, outputs), where `forward` is recorded by
+  wrapping the model runner's `forward` (just before the model or graph is launched). The GPU has
+  no work queued during these two intervals, so this is the host time per step that no graph can
+  hide. Launch overhead inside the forward is NOT in it: that is the `ms/step` difference between
+  the modes. Async: the `perf_counter` time of `engine.step()` minus the time it spent waiting
+  for the GPU (the previous step's tokens, `PendingOutput.wait`): everything the host does per
+  step, launches included; the GPU hides it while it is below the GPU time of a step. (On a CPU
+  nothing runs asynchronously: the forward is inside this figure.)
 - `tok/s` = B / median ms/step.
 - HF: `AutoModelForCausalLM.from_config(config, dtype=bf16)` on the device (random weights, its
   default attention, eager), same B and prompt; prefill once, then a manual loop of
@@ -98,9 +110,27 @@ class Clock:
             torch.cuda.synchronize()
 
 
+class _TimedPending:
+    """An async step's pending tokens that add the time `resolve` waits for the GPU to `marks.waited_s`."""
+
+    def __init__(self, pending, marks: "StepMarks") -> None:
+        self.pending, self.marks = pending, marks
+
+    @property
+    def sampled(self):
+        return self.pending.sampled
+
+    def resolve(self):
+        started = time.perf_counter()
+        self.pending.wait()
+        self.marks.waited_s += time.perf_counter() - started
+        return self.pending.resolve()
+
+
 class StepMarks:
-    """Four marks per step (start, forward, sampled, end); the model runner's `forward` and
-    `sample` are wrapped to record the middle two while a step is armed."""
+    """Four marks per step (start, forward, sampled, end); the model runner's `forward`, `sample`
+    and `sample_async` are wrapped to record the middle two while a step is armed. `waited_s`:
+    seconds the armed step spent waiting for an async step's tokens."""
 
     NAMES = ("start", "forward", "sampled", "end")
 
@@ -108,7 +138,9 @@ class StepMarks:
         self.clock, self.runner = clock, runner
         self.current: dict | None = None
         self.seen: set[str] = set()
+        self.waited_s = 0.0
         forward, sample = runner.forward, runner.sample
+        sample_async = getattr(runner, "sample_async", None)
 
         def timed_forward(*args, **kwargs):
             self._mark("forward")
@@ -119,8 +151,15 @@ class StepMarks:
             self._mark("sampled")
             return result
 
+        def timed_sample_async(*args, **kwargs):
+            pending = sample_async(*args, **kwargs)
+            self._mark("sampled")
+            return _TimedPending(pending, self)
+
         runner.forward, runner.sample = timed_forward, timed_sample
-        self._originals = (forward, sample)
+        if sample_async is not None:
+            runner.sample_async = timed_sample_async
+        self._originals = (forward, sample, sample_async)
 
     def _mark(self, name: str) -> None:
         if self.current is not None and name not in self.seen:  # first forward of the step only
@@ -129,6 +168,7 @@ class StepMarks:
 
     def arm(self) -> dict:
         self.current, self.seen = {name: self.clock.new() for name in self.NAMES}, set()
+        self.waited_s = 0.0
         self._mark("start")
         return self.current
 
@@ -140,7 +180,10 @@ class StepMarks:
         self.current = None
 
     def restore(self) -> None:
-        self.runner.forward, self.runner.sample = self._originals
+        forward, sample, sample_async = self._originals
+        self.runner.forward, self.runner.sample = forward, sample
+        if sample_async is not None:
+            self.runner.sample_async = sample_async
 
 
 def copy_bandwidth(device: torch.device, num_bytes: int | None = None, repeats: int = 10) -> float:
@@ -176,6 +219,7 @@ class EngineFigures:
     mode: str
     resolved_mode: str
     startup_s: float
+    async_scheduling: bool = False
     num_graphs: int = 0
     capture_s: float = 0.0
     pool_bytes: int = 0
@@ -194,6 +238,9 @@ class Row:
     forward_sample_ms: float
     wall_ms: float
     context: float
+    async_scheduling: bool = False
+    call_ms: float | None = None
+    """Median `start -> end` (events around `engine.step()`): the old ms/step, sync mode only."""
     floor_ms: float | None = None
     pct_of_floor: float | None = None
     hf_ms_per_step: float | None = None
@@ -212,8 +259,9 @@ def prefill_step_bound(batch_size: int, prompt_len: int, max_num_batched_tokens:
 
 
 def max_tokens_for(batch_size: int, args) -> int:
-    """Enough that no request finishes before the last timed step, whatever the prefill took."""
-    return prefill_step_bound(batch_size, args.prompt_len, args.max_num_batched_tokens) + 1 + args.warmup + args.steps
+    """Enough that no request finishes before the last timed step, whatever the prefill took (+2:
+    with async scheduling the engine runs a step ahead of the outputs it returns)."""
+    return prefill_step_bound(batch_size, args.prompt_len, args.max_num_batched_tokens) + 3 + args.warmup + args.steps
 
 
 def build_engine(folder: Path, mode: str, args):
@@ -224,7 +272,8 @@ def build_engine(folder: Path, mode: str, args):
     return LLM(model=str(folder), load_format="dummy", dtype=args.dtype, device=args.device, cudagraph_mode=mode,
                cudagraph_capture_sizes=sorted(set(args.batch_sizes)), max_num_seqs=max_bs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-               num_kv_blocks=num_blocks, block_size=BLOCK_SIZE, seed=0)
+               num_kv_blocks=num_blocks, block_size=BLOCK_SIZE, seed=0,
+               async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
 
 
 def bench_engine_batch(llm, shape: str, mode: str, batch_size: int, args) -> Row:
@@ -238,7 +287,7 @@ def bench_engine_batch(llm, shape: str, mode: str, batch_size: int, args) -> Row
     ids = [engine.add_request(p, params, request_id=f"bs{batch_size}-{i}") for i, p in enumerate(prompts)]
 
     started: set[str] = set()
-    for _ in range(prefill_bound + 1):
+    for _ in range(prefill_bound + 2):  # async: the first step() returns nothing
         started.update(o.request_id for o in engine.step() if o.token_ids)
         if len(started) == batch_size:
             break
@@ -246,7 +295,7 @@ def bench_engine_batch(llm, shape: str, mode: str, batch_size: int, args) -> Row
         raise RuntimeError(f"{batch_size} requests did not all start decoding within {prefill_bound} steps")
 
     marks = StepMarks(clock, runner)
-    timed, walls, contexts = [], [], []
+    recorded, walls, waits, contexts = [], [], [], []
     try:
         for step in range(args.warmup + args.steps):
             wall = time.perf_counter()
@@ -256,23 +305,33 @@ def bench_engine_batch(llm, shape: str, mode: str, batch_size: int, args) -> Row
             wall = time.perf_counter() - wall
             if len(outputs) != batch_size or any(o.finished for o in outputs):
                 raise RuntimeError(f"decode step {step}: {len(outputs)} outputs for {batch_size} running requests")
+            recorded.append(current)
             if step >= args.warmup:
-                timed.append(current)
                 walls.append(wall * 1e3)
+                waits.append(marks.waited_s * 1e3)
                 contexts.append(statistics.fmean(args.prompt_len + len(o.token_ids) for o in outputs))
     finally:
         marks.restore()
         for request_id in ids:
             engine.abort_request(request_id)
-        engine.step()  # lets the runner drop the finished requests' state
+        while engine.has_unfinished_requests():
+            engine.step()  # lets the runner drop the finished requests' state (and applies a step in flight)
     clock.sync()
-    step_ms = [clock.ms(m["start"], m["end"]) for m in timed]
+    first = max(args.warmup, 1)  # an interval needs the previous step's mark
+    step_ms = [clock.ms(recorded[i - 1]["sampled"], recorded[i]["sampled"]) for i in range(first, len(recorded))]
+    timed = recorded[args.warmup:]
+    call_ms = [clock.ms(m["start"], m["end"]) for m in timed]
     inner_ms = [clock.ms(m["forward"], m["sampled"]) for m in timed]
-    host_ms = [s - i for s, i in zip(step_ms, inner_ms)]
+    if engine.async_scheduling:
+        host_ms = [w - g for w, g in zip(walls, waits)]
+    else:
+        host_ms = [s - i for s, i in zip(call_ms, inner_ms)]
     median = statistics.median(step_ms)
     return Row(shape=shape, batch_size=batch_size, mode=mode, ms_per_step=median, tok_s=batch_size / median * 1e3,
                host_ms=statistics.median(host_ms), forward_sample_ms=statistics.median(inner_ms),
-               wall_ms=statistics.median(walls), context=statistics.fmean(contexts), step_ms=step_ms)
+               wall_ms=statistics.median(walls), context=statistics.fmean(contexts),
+               async_scheduling=engine.async_scheduling,
+               call_ms=None if engine.async_scheduling else statistics.median(call_ms), step_ms=step_ms)
 
 
 def bench_engine(shape: str, folder: Path, mode: str, args) -> tuple[EngineFigures, list[Row]]:
@@ -282,7 +341,7 @@ def bench_engine(shape: str, folder: Path, mode: str, args) -> tuple[EngineFigur
     runner = llm.engine.model_runner
     summary = getattr(runner, "capture_summary", None)
     figures = EngineFigures(shape=shape, mode=mode, resolved_mode=runner.cudagraph_mode.name, startup_s=startup,
-                            cuda_graph_ready=runner.cuda_graph_ready,
+                            async_scheduling=llm.engine.async_scheduling, cuda_graph_ready=runner.cuda_graph_ready,
                             graph_reserve_bytes=int(getattr(runner, "graph_reserve_bytes", 0) or 0))
     if summary is not None:
         figures.num_graphs, figures.capture_s, figures.pool_bytes = (summary.num_graphs, summary.seconds,
@@ -291,8 +350,8 @@ def bench_engine(shape: str, folder: Path, mode: str, args) -> tuple[EngineFigur
     try:
         for batch_size in args.batch_sizes:
             rows.append(bench_engine_batch(llm, shape, mode, batch_size, args))
-            log(f"  {shape} {mode:9s} bs {batch_size:4d}: {rows[-1].ms_per_step:8.3f} ms/step, "
-                f"host {rows[-1].host_ms:.3f} ms")
+            log(f"  {shape} {mode:9s} bs {batch_size:4d}{' async' if rows[-1].async_scheduling else ''}: "
+                f"{rows[-1].ms_per_step:8.3f} ms/step, host {rows[-1].host_ms:.3f} ms")
     finally:
         llm.shutdown()
         del llm, runner
@@ -359,11 +418,13 @@ def capture_table(engines: list[EngineFigures]) -> str:
 
 
 def main_table(rows: list[Row]) -> str:
-    lines = ["| shape | bs | mode | ms/step | tok/s | host ms | HF ms/step | speedup vs HF | floor ms | % of floor |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| shape | bs | mode | async | ms/step | tok/s | host ms | HF ms/step | speedup vs HF | floor ms "
+             "| % of floor |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         speedup = None if r.speedup_vs_hf is None else f"{r.speedup_vs_hf:.2f}x"
-        lines.append(f"| {r.shape} | {r.batch_size} | {r.mode} | {r.ms_per_step:.3f} | {r.tok_s:.0f} | "
+        lines.append(f"| {r.shape} | {r.batch_size} | {r.mode} | {'on' if r.async_scheduling else 'off'} | "
+                     f"{r.ms_per_step:.3f} | {r.tok_s:.0f} | "
                      f"{r.host_ms:.3f} | {fmt(r.hf_ms_per_step, '.3f')} | {speedup or '-'} | "
                      f"{fmt(r.floor_ms, '.3f')} | {fmt(r.pct_of_floor, '.1f')} |")
     return "\n".join(lines)
@@ -418,6 +479,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5, help="decode steps discarded per batch size")
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed per batch size")
     parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
+                        help="the engine's async_scheduling (auto: on for CUDA)")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--no-hf", action="store_true", help="skip HF transformers")
@@ -490,6 +553,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "device": device_name, "torch": torch.__version__, "transformers": transformers.__version__,
         "dtype": args.dtype, "prompt_len": args.prompt_len, "warmup_steps": args.warmup, "timed_steps": args.steps,
+        "async_scheduling": args.async_scheduling,
         "max_model_len": args.max_model_len, "copy_bandwidth_bytes_per_s": bandwidth,
         "num_layers_override": args.num_layers, "seconds": time.perf_counter() - started,
         "engines": [asdict(e) for e in engines],

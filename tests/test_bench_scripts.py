@@ -64,6 +64,20 @@ def test_decode_bench_cpu_smoke(tmp_path):
         assert len(r["step_ms"]) == 2 and r["context"] > 128
     assert [e["resolved_mode"] for e in result["engines"]] == ["NONE", "NONE"]
     assert json.loads(out.read_text())["rows"] == rows
+    assert all(not r["async_scheduling"] and r["call_ms"] > 0 for r in rows)  # auto: off on a CPU
+
+
+def test_decode_bench_cpu_async_smoke(tmp_path):
+    """--async-scheduling on: ms/step from consecutive steps' `sampled` marks, host ms from the wall time
+    of engine.step() less its waits (none on a CPU, where the step runs synchronously anyway)."""
+    result = bench_decode.main(["--device", "cpu", "--dtype", "float32", "--num-layers", "2",
+                                "--shapes", "smollm2-135m", "--batch-sizes", "2", "--modes", "NONE",
+                                "--warmup", "1", "--steps", "3", "--no-hf", "--no-plot", "--async-scheduling", "on",
+                                "--json", str(tmp_path / "decode.json")])
+    (row,) = result["rows"]
+    assert row["async_scheduling"] and result["engines"][0]["async_scheduling"] and row["call_ms"] is None
+    assert len(row["step_ms"]) == 3 and row["ms_per_step"] == sorted(row["step_ms"])[1]
+    assert 0 < row["host_ms"] <= row["wall_ms"] and row["forward_sample_ms"] > 0
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
