@@ -5,7 +5,7 @@ fused Triton kernel (models/fused_kernels.py): fewer launches per layer is what 
 model's graph replay is bound by. GRAPHRUNNER_FUSED_OPS=0 turns the kernels off (benchmarks
 measure before/after in one run). For a few rows (decode), DecoderLayer goes further through
 models/small_batch_kernels.py (`small_batch`: the norms fused into the projections that follow
-them); GRAPHRUNNER_SMALL_BATCH_KERNELS=0 turns only that off.
+them, where that is measured to win); GRAPHRUNNER_SMALL_BATCH_KERNELS=0 turns only that off.
 
 On a CPU the reference paths are what runs, so they keep HF's rounding points (token-exact
 greedy parity) with as few passes and temporaries as that allows, and fp32 linears of small
@@ -40,16 +40,19 @@ def fused(x: torch.Tensor):
     return _fused_kernels() if x.is_cuda else None
 
 
-SMALL_BATCH_MAX_ROWS = 16
-"""Token counts (x.shape[0]) up to this run a decoder layer through models/small_batch_kernels.py
-(the norm fused into qkv_proj, norm + SiLU*mul into gate_up_proj). A guess awaiting GPU
-measurement (scripts/bench_linear.py on an H100): at some row count cuBLAS' tensor-core GEMM
-overtakes the fused kernels' launch saving. At most small_batch_kernels.MAX_ROWS."""
+SMALL_BATCH_MAX_ROWS = 1
+"""Token counts (x.shape[0]) up to this run a decoder layer through models/small_batch_kernels.py.
+Measured on an H100 (scripts/bench_linear.py, bf16, in a CUDA graph, cold weights; docs/PERFORMANCE.md):
+at 1 row the fused kernels beat cuBLAS + the separate norm / SiLU*mul kernels on small weights
+(SmolLM2 layer 20.7 -> 11.9 us), but from 2 rows their tl.dot path loses to cuBLAS at every shape
+(SmolLM2 layer 21.5 -> 25.0 us at 2 rows, 21.7 -> 30.8 at 32)."""
 
-TRITON_GEMV_PROJECTIONS = frozenset({"o_proj", "down_proj"})
-"""The plain projections that use small_batch_kernels.linear instead of cuBLAS on the small-batch
-path; the rest keep F.linear. Awaiting GPU measurement (scripts/bench_linear.py): worth it only
-where the Triton GEMV beats the ~4 us cuBLAS GEMM inside a graph; frozenset() turns it off."""
+SMALL_BATCH_MAX_WEIGHT_BYTES = 16 << 20
+"""A projection takes the small-batch kernel only if its weight is at most this big. Same
+measurement: the one-row kernel wins up to ~12 MB (Llama-3.2-1B qkv 9.1 -> 7.4 us, o 6.3 -> 5.0)
+and loses on large weights, where cuBLAS streams closer to the bandwidth (Llama-3.2-1B gate_up
+67 MB 29.3 -> 30.3, Llama-3-8B gate_up 235 MB 89 -> 129 us). Each projection of a layer is
+decided on its own (`fits_small_batch`)."""
 
 
 @functools.cache
@@ -73,11 +76,10 @@ def small_batch(x: torch.Tensor):
     return _small_batch_kernels()
 
 
-def small_batch_linear(kernels, layer: nn.Linear, name: str, x: torch.Tensor) -> torch.Tensor:
-    """layer(x), through the Triton GEMV when `name` is in TRITON_GEMV_PROJECTIONS."""
-    if name in TRITON_GEMV_PROJECTIONS:
-        return kernels.linear(x, layer.weight, layer.bias)
-    return layer(x)
+def fits_small_batch(layer: nn.Linear) -> bool:
+    """Whether `layer` runs through the small-batch kernel (see SMALL_BATCH_MAX_WEIGHT_BYTES)."""
+    weight = layer.weight
+    return weight.numel() * weight.element_size() <= SMALL_BATCH_MAX_WEIGHT_BYTES
 
 
 logger = logging.getLogger(__name__)
@@ -313,9 +315,13 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        return self.down_proj(self.activate(self.gate_up_proj(x)))
+
+    @staticmethod
+    def activate(gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of gate_up_proj's output, what down_proj reads."""
         kernels = fused(gate_up)
         if kernels is not None:
-            return self.down_proj(kernels.silu_and_mul(gate_up))
+            return kernels.silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))  # silu(gate) * up, one temporary
+        return F.silu(gate).mul_(up)  # silu(gate) * up, one temporary

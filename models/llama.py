@@ -14,7 +14,7 @@ from torch import nn
 
 from attention.layer import Attention
 from models.hf_config import ModelSpec
-from models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, small_batch, small_batch_linear
+from models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, fits_small_batch, small_batch
 
 
 @dataclass
@@ -74,19 +74,31 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
     def forward_small_batch(self, kernels, positions, hidden, residual):
-        """The same layer for a few rows (decode) in fewer launches: input_layernorm fused into
-        qkv_proj, post_attention_layernorm + SiLU*mul into gate_up_proj, and o_proj / down_proj
-        through the Triton GEMV where TRITON_GEMV_PROJECTIONS says (models/small_batch_kernels.py).
-        Same contract as forward: (hidden, residual) in and out, residual None on the first layer."""
+        """The same layer for a decode row in fewer launches (models/small_batch_kernels.py): each
+        projection whose weight `fits_small_batch` takes its kernel, with input_layernorm fused
+        into qkv_proj and post_attention_layernorm + SiLU*mul into gate_up_proj; the others run as
+        in `forward`. Same contract: (hidden, residual) in and out, residual None on the first layer."""
         attn, mlp = self.self_attn, self.mlp
-        norm = self.input_layernorm
-        qkv, residual = kernels.norm_linear(hidden, residual, norm.weight, norm.eps,
-                                            attn.qkv_proj.weight, attn.qkv_proj.bias)
-        hidden = small_batch_linear(kernels, attn.o_proj, "o_proj", attn.attend(positions, qkv))
-        norm = self.post_attention_layernorm
-        act, residual = kernels.norm_gate_up_silu(hidden, residual, norm.weight, norm.eps,
-                                                  mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
-        return small_batch_linear(kernels, mlp.down_proj, "down_proj", act), residual
+        norm, proj = self.input_layernorm, attn.qkv_proj
+        if fits_small_batch(proj):
+            qkv, residual = kernels.norm_linear(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias)
+        else:
+            if residual is None:
+                residual, hidden = hidden, norm(hidden)
+            else:
+                hidden, residual = norm(hidden, residual)
+            qkv = proj(hidden)
+        hidden = attn.attend(positions, qkv)
+        proj = attn.o_proj
+        hidden = kernels.linear(hidden, proj.weight, proj.bias) if fits_small_batch(proj) else proj(hidden)
+        norm, proj = self.post_attention_layernorm, mlp.gate_up_proj
+        if fits_small_batch(proj):
+            act, residual = kernels.norm_gate_up_silu(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias)
+        else:
+            hidden, residual = norm(hidden, residual)
+            act = mlp.activate(proj(hidden))
+        proj = mlp.down_proj
+        return (kernels.linear(act, proj.weight, proj.bias) if fits_small_batch(proj) else proj(act)), residual
 
 
 class LlamaModel(nn.Module):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -79,14 +78,15 @@ def main(argv: list[str] | None = None) -> dict:
     if not torch.cuda.is_available():
         print("bench_launch: no CUDA device, nothing to measure")
         return {}
+    from attention.kernels import fast_launch
     rows = {}
     for batch_size in (1, 32):
         call = attention_case(batch_size)
         for fast in ("0", "1"):
-            os.environ["GRAPHRUNNER_FAST_LAUNCH"] = fast
+            fast_launch.ENABLED = fast == "1"
             name = f"unified_attention bs{batch_size} ({'fast launch' if fast == '1' else 'JITFunction.run'})"
             rows[name] = host_us(call, args.calls)
-    os.environ.pop("GRAPHRUNNER_FAST_LAUNCH", None)
+    fast_launch.ENABLED = True
     rows["CUDAGraph.replay (1 kernel)"] = host_us(graph_replay_case(), args.calls)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("| host work | us per call |\n|---|---:|")

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from attention.kernels import fast_launch
 from attention.kernels.fast_launch import FastLaunch
 
 
@@ -86,9 +87,9 @@ def test_every_specialisation_input_changes_the_key(change):
     assert len(fn.slow_calls) == 2 and launch.fast_launches == 0
 
 
-def test_disabled_by_environment_and_for_non_jit_functions(monkeypatch):
+def test_disabled_by_the_switch_and_for_non_jit_functions(monkeypatch):
     fn, launch = _fake()
-    monkeypatch.setenv("GRAPHRUNNER_FAST_LAUNCH", "0")
+    monkeypatch.setattr(fast_launch, "ENABLED", False)   # GRAPHRUNNER_FAST_LAUNCH=0 at import
     for _ in range(2):
         launch((1,), torch.zeros(4), 32, 5, 0.5, 7)
     assert len(fn.slow_calls) == 2 and launch.fast_launches == 0

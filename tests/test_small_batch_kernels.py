@@ -168,11 +168,19 @@ def _spy():
 FAMILIES = [("llama_gqa", {}), ("qwen2", {}), ("qwen3", {})]   # plain, qkv bias, qk_norm + head_dim
 
 
+PLANS = {"all": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}, "attention": {"qkv_proj", "o_proj"},
+         "mlp": {"gate_up_proj", "down_proj"}, "gemv_only": {"o_proj", "down_proj"}}
+"""Which projections `fits_small_batch` admits: every mix the weight-size rule can produce."""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through the interpreter; the GPU runs "
+                    "test_engine_greedy_tokens_same_with_small_batch_path_on_and_off")
 @pytest.mark.parametrize("family, kwargs", FAMILIES)
-@pytest.mark.parametrize("gemv", [True, False])
-def test_model_logits_same_with_small_batch_path_forced(tmp_path, monkeypatch, family, kwargs, gemv):
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_model_logits_same_with_small_batch_path_forced(tmp_path, monkeypatch, family, kwargs, plan):
     """On a CPU through the interpreter: the model's own layers, with `small_batch` forced to answer
-    the kernels, give the reference path's logits (fp32; a 13-token prefill and a 1-token one)."""
+    the kernels (for any row count the kernels take) and `fits_small_batch` admitting the plan's
+    projections, give the reference path's logits (fp32; a 13-token prefill and a 1-token one)."""
     from checkpoints import make_tiny_checkpoint
     from model_helpers import load_ours, prefill_logits
 
@@ -182,15 +190,24 @@ def test_model_logits_same_with_small_batch_path_forced(tmp_path, monkeypatch, f
     expected = [prefill_logits(model, prompts) for prompts in batches]
 
     spy, calls = _spy()
-    monkeypatch.setattr(llama, "small_batch", lambda x: spy if x.shape[0] <= layers.SMALL_BATCH_MAX_ROWS else None)
-    monkeypatch.setattr(layers, "TRITON_GEMV_PROJECTIONS", layers.TRITON_GEMV_PROJECTIONS if gemv else frozenset())
+    names = {id(module): name.rsplit(".", 1)[-1] for name, module in model.named_modules()}
+    monkeypatch.setattr(llama, "small_batch", lambda x: spy)
+    monkeypatch.setattr(llama, "fits_small_batch", lambda layer: names[id(layer)] in PLANS[plan])
     got = [prefill_logits(model, prompts) for prompts in batches]
     layers_run = 2 * model.num_local_layers
-    assert calls["norm_linear"] == calls["norm_gate_up_silu"] == layers_run
-    assert calls["linear"] == (layers_run * len(layers.TRITON_GEMV_PROJECTIONS) if gemv else 0)
+    admitted = PLANS[plan]
+    assert calls["norm_linear"] == (layers_run if "qkv_proj" in admitted else 0)
+    assert calls["norm_gate_up_silu"] == (layers_run if "gate_up_proj" in admitted else 0)
+    assert calls["linear"] == layers_run * len(admitted & {"o_proj", "down_proj"})
     for got_batch, expected_batch in zip(got, expected):
         for a, b in zip(got_batch, expected_batch):
             assert (a - b).abs().max().item() < 1e-4
+
+
+def test_fits_small_batch_follows_weight_bytes(monkeypatch):
+    small, large = torch.nn.Linear(64, 32), torch.nn.Linear(64, 4096)   # 8 KiB, 1 MiB of fp32
+    monkeypatch.setattr(layers, "SMALL_BATCH_MAX_WEIGHT_BYTES", 64 << 10)
+    assert layers.fits_small_batch(small) and not layers.fits_small_batch(large)
 
 
 def test_cpu_never_takes_the_small_batch_path():
@@ -272,6 +289,7 @@ def test_engine_greedy_tokens_same_with_small_batch_path_on_and_off(tmp_path, mo
     tokens = {}
     for on in (True, False):
         spy, calls = _spy()
+        monkeypatch.setattr(layers, "SMALL_BATCH_MAX_ROWS", 8)   # every captured size takes the path
         monkeypatch.setattr(llama, "small_batch", (lambda x: spy if layers.small_batch(x) is not None else None)
                             if on else (lambda x: None))
         llm = LLM(model=str(path), device="cuda", dtype="float32", cudagraph_mode=mode,

@@ -181,9 +181,10 @@ def test_fast_launch_matches_triton_launch(num_splits, monkeypatch):
         torch.cuda.synchronize()
         return batch.out.clone()
 
-    monkeypatch.setenv("GRAPHRUNNER_FAST_LAUNCH", "0")
+    from attention.kernels import fast_launch
+    monkeypatch.setattr(fast_launch, "ENABLED", False)
     expected = attend()
-    monkeypatch.setenv("GRAPHRUNNER_FAST_LAUNCH", "1")
+    monkeypatch.setattr(fast_launch, "ENABLED", True)
     attend()                                          # records the compiled kernel for this key
     before = ua._attention_launch.fast_launches
     stream = torch.cuda.Stream()

@@ -18,7 +18,7 @@ integer fits in 32 bits), and:
   itself passes it (`JITFunction.run`: grid, stream, function, packed metadata, launch metadata,
   enter/exit hooks, then every bound argument in order).
 Launch hooks (profilers such as proton) and Triton's interpreter (CPU tests) take the ordinary
-path every time; GRAPHRUNNER_FAST_LAUNCH=0 turns the fast path off. A GPU test checks that both
+path every time; GRAPHRUNNER_FAST_LAUNCH=0 (read at import) turns the fast path off. A GPU test checks that both
 paths give identical results.
 """
 
@@ -26,6 +26,10 @@ from __future__ import annotations
 
 import os
 from typing import Any, Callable
+
+ENABLED = os.environ.get("GRAPHRUNNER_FAST_LAUNCH", "1") != "0"
+"""Read once at import (reading the environment costs ~1.5 us, per launch that adds up); tests
+and benchmarks that switch it at run time set this attribute."""
 
 _CONSTEXPR, _SPECIALISED, _PLAIN = 0, 1, 2
 _I32_MIN, _I32_MAX = -(2 ** 31), 2 ** 31 - 1
@@ -68,12 +72,17 @@ def _hook_active(hook: Any) -> bool:
     return hook is not None and (not hasattr(hook, "calls") or bool(hook.calls))
 
 
+try:
+    from triton import knobs as _knobs
+except ImportError:  # a Triton before knobs: no fast path
+    _knobs = None
+
+
 def _launch_hooks_set() -> bool:
-    try:
-        from triton import knobs
-    except ImportError:  # Triton before knobs: no fast path
+    if _knobs is None:
         return True
-    return _hook_active(knobs.runtime.launch_enter_hook) or _hook_active(knobs.runtime.launch_exit_hook)
+    runtime = _knobs.runtime
+    return _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)
 
 
 def _current_stream(device_index: int) -> int:
@@ -96,7 +105,7 @@ class FastLaunch:
 
     @property
     def enabled(self) -> bool:
-        return self.kinds is not None and os.environ.get("GRAPHRUNNER_FAST_LAUNCH", "1") != "0"
+        return self.kinds is not None and ENABLED
 
     def key(self, args: tuple, options: tuple) -> tuple:
         """Everything Triton specialises a compiled kernel on, for these arguments."""
@@ -127,7 +136,7 @@ class FastLaunch:
 
     def __call__(self, grid: tuple[int, ...], *args: Any, device_index: int = 0,
                  num_warps: int = 4, num_stages: int = 3) -> None:
-        if not self.enabled or len(args) != len(self.kinds) or _launch_hooks_set():
+        if self.kinds is None or not ENABLED or len(args) != len(self.kinds) or _launch_hooks_set():
             self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
             return
         key = self._fast_key(args, (device_index, num_warps, num_stages))
