@@ -94,8 +94,11 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_block_ids: Sequence[int] = ()) -> bool:
-        """Grow the block table so `num_computed_tokens + num_inflight_tokens + cached + num_new_tokens`
-        tokens fit (in-flight tokens: scheduled in a step whose results are not applied yet).
+        """Grow the block table so `num_computed_tokens + cached + num_new_tokens` tokens fit.
+
+        With async scheduling the scheduler counts the request's in-flight tokens (scheduled in
+        the step in flight, not yet in `num_computed_tokens`) in `num_new_tokens`: what must fit
+        is computed + in flight + this step's new tokens.
 
         `computed_block_ids` are prefix-cache hits from `get_computed_blocks` (only for a request
         with an empty table); they are prepended and referenced. All or nothing: returns False
@@ -104,13 +107,12 @@ class KVCacheManager:
         `block_table_id` and records the prefix-cache query/hits.
         """
         table = request.block_ids
-        num_computed = request.num_computed_tokens + request.num_inflight_tokens
-        if not computed_block_ids and num_computed + num_new_tokens <= len(table) * self.block_size:
+        if not computed_block_ids and request.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
             return True  # the last block still has room: most decode steps end here
         if computed_block_ids and table:
             raise ValueError(f"request {request.request_id!r} already has blocks; "
                              "prefix-cache hits apply only to its first allocation")
-        num_tokens = num_computed + len(computed_block_ids) * self.block_size + num_new_tokens
+        num_tokens = request.num_computed_tokens + len(computed_block_ids) * self.block_size + num_new_tokens
         num_needed = max(cdiv(num_tokens, self.block_size) - len(table) - len(computed_block_ids), 0)
         # Hit blocks that sit in the free queue stop being free once referenced.
         num_free_hits = sum(1 for b in computed_block_ids if self.pool.blocks[b].ref_count == 0)

@@ -20,8 +20,8 @@ class LLM:
     """`LLM(model="path" | "default", **engine_options).generate(prompts, params)`.
 
     Options are EngineConfig's fields by name (dtype, device, cudagraph_mode, max_model_len,
-    block_size, max_num_seqs, ...). Use as a context manager, or call shutdown(), to release
-    pipeline workers."""
+    block_size, max_num_seqs, async_scheduling, ...). Use as a context manager, or call shutdown(),
+    to release pipeline workers."""
 
     def __init__(self, model: str = "default", **kwargs) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))

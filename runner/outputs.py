@@ -34,11 +34,6 @@ class PendingOutput:
         pending._result = output
         return pending
 
-    @property
-    def done(self) -> bool:
-        """Resolved already, or its copies have landed (resolve() would not wait)."""
-        return self._result is not None or self._event is None or self._event.query()
-
     def wait(self) -> None:
         """Block until the step's tokens are in host memory: the one GPU wait of an async step."""
         if self._event is not None:

@@ -173,18 +173,25 @@ class Scheduler:
         prev_token_rows: list[int] = []
         prev_sample_rows: list[int] = []
 
-        running, kv, index = self.running, self.kv, 0
+        running, kv, index, async_scheduling = self.running, self.kv, 0, self.async_scheduling
+        make_entry = self._entry_async if async_scheduling else self._entry
+        placeholders = num_inflight = 0
         while index < len(running) and budget > 0:
             request = running[index]
-            placeholders = request.num_output_placeholders
-            if placeholders and request.num_output_tokens + placeholders >= request.max_output_tokens:
-                index += 1  # the token in flight reaches the length limit: nothing left to compute
-                continue
-            num_tokens = request.num_tokens + placeholders
-            num_new = num_tokens - request.num_computed_tokens - request.num_inflight_tokens
+            if async_scheduling:
+                placeholders = request.num_output_placeholders
+                if placeholders and request.num_output_tokens + placeholders >= request.max_output_tokens:
+                    index += 1  # the token in flight reaches the length limit: nothing left to compute
+                    continue
+                num_inflight = request.num_inflight_tokens
+                num_tokens = request.num_tokens + placeholders
+                num_new = num_tokens - request.num_computed_tokens - num_inflight
+            else:
+                num_tokens = request.num_tokens
+                num_new = num_tokens - request.num_computed_tokens
             if num_new > budget:
                 num_new = budget
-            while not kv.allocate_slots(request, num_new):
+            while not kv.allocate_slots(request, num_inflight + num_new):  # in flight: not yet computed, must fit
                 if in_flight:  # preempting would free blocks the step in flight writes: drain first
                     self._undo(step)
                     self.num_drains += 1
@@ -200,7 +207,7 @@ class Scheduler:
                 if placeholders:  # a decode of the token in flight: the runner fills it in on the device
                     prev_token_rows.append(self.config.max_num_batched_tokens - budget)
                     prev_sample_rows.append(request.placeholder_row)
-                scheduled.append(self._entry(step, request, num_new, num_tokens, placeholders))
+                scheduled.append(make_entry(step, request, num_new, num_tokens, placeholders))
                 budget -= num_new
                 index += 1
                 continue
@@ -224,7 +231,7 @@ class Scheduler:
             request.num_computed_tokens = request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: self._priority[r.request_id])
-            scheduled.append(self._entry(step, request, num_new, num_tokens, 0))
+            scheduled.append(make_entry(step, request, num_new, num_tokens, 0))
             budget -= num_new
 
         if scheduled:
@@ -233,10 +240,24 @@ class Scheduler:
         return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted, finished,
                                prev_token_rows, prev_sample_rows)
 
-    def _entry(self, step: _Step, request: Request, num_new: int, num_tokens: int,
-               placeholders: int) -> ScheduledRequest:
-        """The request's share of the step, remembered for update(). `num_tokens` counts the
-        request's placeholder, if any (then the step feeds just that one token)."""
+    @staticmethod
+    def _entry(step: _Step, request: Request, num_new: int, num_tokens: int, placeholders: int) -> ScheduledRequest:
+        """The request's share of the step, remembered for update() (synchronous: nothing in
+        flight, no placeholders, and no in-flight accounting; the per-request hot path stays short)."""
+        start = request.num_computed_tokens
+        sample = start + num_new == num_tokens
+        step.entries.append((request, num_new, sample, -1))
+        if sample:
+            step.sampling.add(request.request_id)
+        return ScheduledRequest(request.request_id, request.token_ids_slice(start, start + num_new), start,
+                                request.block_ids, sample, request.sampling_params,
+                                len(request.output_token_ids), request.block_table_id)
+
+    @staticmethod
+    def _entry_async(step: _Step, request: Request, num_new: int, num_tokens: int,
+                     placeholders: int) -> ScheduledRequest:
+        """`_entry` with the in-flight accounting. `num_tokens` counts the request's placeholder,
+        if any (then the step feeds just that one token)."""
         start = request.num_computed_tokens + request.num_inflight_tokens
         sample = start + num_new == num_tokens
         row = request.placeholder_row
@@ -254,9 +275,10 @@ class Scheduler:
                                 request.sampling_params, len(request.output_token_ids) + placeholders,
                                 request.block_table_id, input_from_prev)
 
-    @staticmethod
-    def _undo(step: _Step) -> None:
+    def _undo(self, step: _Step) -> None:
         """Forget a step's in-flight accounting (its blocks stay: the same work comes again)."""
+        if not self.async_scheduling:
+            return  # the synchronous entries keep none
         for request, num_new, sample, previous_row in reversed(step.entries):
             request.num_inflight_tokens -= num_new
             if sample:
@@ -294,18 +316,21 @@ class Scheduler:
         if self._steps:
             self._steps.popleft()
         block_size, caching = self.kv.block_size, self.kv.enable_prefix_caching
+        in_flight_accounting = self.async_scheduling
         updated: list[Request] = []
         for request, num_new, sample, _ in step.entries:
             if request.status is not RequestStatus.RUNNING:
                 continue  # finished since (a stop, an abort): a later step's work for it is dropped too
             start = request.num_computed_tokens
             request.num_computed_tokens = start + num_new
-            request.num_inflight_tokens -= num_new
+            if in_flight_accounting:
+                request.num_inflight_tokens -= num_new
+                if sample:
+                    request.num_output_placeholders -= 1
             if caching and (start + num_new) // block_size != start // block_size:
                 self.kv.cache_full_blocks(request)  # a block filled up: blocks fill only at a boundary
             if not sample:
                 continue
-            request.num_output_placeholders -= 1
             token = sampled[request.request_id]
             outputs = request.output_token_ids
             outputs.append(token)
