@@ -272,6 +272,21 @@ def test_random_async_workloads_match_reference(prompts, num_blocks, budget, max
     assert sched.kv.num_free_blocks == num_blocks and sched.kv.usage == 0.0
 
 
+def test_input_batch_fills_placeholders_from_the_previous_tokens():
+    """Decode batch and mixed batch: placeholder rows take the previous step's sampled tokens (on the
+    device, here the CPU), the other rows keep their host-built ids; the guard is inert on a CPU."""
+    from runner.input_batch import InputBatch
+    batch = InputBatch(16, 4, 4, BS, torch.device("cpu"), guard_uploads=True)
+    assert not batch.guard_uploads
+    prev = torch.tensor([70, 71, 72])
+    batch.prepare([[-1], [-1], [5]], [3, 6, 2], [[0, 1], [2, 3], [1]], 3, 3, placeholders=([0, 1], [2, 0], prev))
+    assert batch.input_ids.np[:3].tolist() == [72, 70, 5]
+    batch.prepare([[8, 9, 10], [-1], [-1]], [0, 4, 7], [[0], [1, 2], [3, 0]], 5, 3,
+                  placeholders=([3, 4], [1, 2], prev))
+    assert batch.input_ids.np[:5].tolist() == [8, 9, 10, 71, 72]
+    assert batch.positions.np[:5].tolist() == [0, 1, 2, 4, 7]
+
+
 def test_config_auto_and_pipeline_parallel():
     config = EngineConfig.from_kwargs(model="m")
     assert config.scheduler.async_scheduling is None
@@ -362,18 +377,21 @@ def test_stop_strings_stop_ids_eos_min_and_max_tokens(smollm2_engines):
     reference = engines[False].generate(prompts, SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)
     assert "Paris" in reference[0].text and any(o.finish_reason == "stop" for o in reference)  # EOS ends some
     stop_id = reference[2].token_ids[4]
-    eos_at = next(len(o.token_ids) for o in reference if o.finish_reason == "stop")
+    eos = next(i for i in (1, 3) if reference[i].finish_reason == "stop")  # plain params below: EOS
+    eos_at = len(reference[eos].token_ids)  # its EOS is the last of these
     params = [SamplingParams(temperature=0.0, max_tokens=40, stop=["Paris"]),
-              SamplingParams(temperature=0.0, max_tokens=40),                       # EOS
+              SamplingParams(temperature=0.0, max_tokens=40),
               SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop_id]),
-              SamplingParams(temperature=0.0, max_tokens=40, min_tokens=eos_at + 2),
-              SamplingParams(temperature=0.0, max_tokens=5)]
-    outs = generate_both(engines, prompts, params)
+              SamplingParams(temperature=0.0, max_tokens=40),
+              SamplingParams(temperature=0.0, max_tokens=5),
+              SamplingParams(temperature=0.0, max_tokens=eos_at + 4, min_tokens=eos_at + 2)]
+    outs = generate_both(engines, prompts + [prompts[eos]], params)
     assert outs[0].finish_reason == "stop" and outs[0].stop_reason == "Paris" and "Paris" not in outs[0].text
-    assert outs[1].token_ids == reference[1].token_ids
+    assert outs[eos].token_ids == reference[eos].token_ids and outs[eos].finish_reason == "stop"  # EOS
     assert outs[2].stop_reason == stop_id and outs[2].token_ids[-1] == stop_id
-    assert len(outs[3].token_ids) >= eos_at + 2 or outs[3].finish_reason == "length"
     assert len(outs[4].token_ids) == 5 and outs[4].finish_reason == "length"
+    assert len(outs[5].token_ids) >= eos_at + 2  # the EOS within min_tokens did not stop it
+    assert outs[5].token_ids[:eos_at - 1] == reference[eos].token_ids[:-1]
 
 
 def test_chunked_prefill_small_budget(smollm2_engines):
