@@ -286,12 +286,13 @@ class ModelRunner:
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
-    def _sampling_logits(self, reqs: list[ScheduledRequest], rows: list[int], hidden: torch.Tensor, common,
-                         to_device) -> torch.Tensor:
+    def _sampling_logits(self, reqs: list[ScheduledRequest], rows: list[int], hidden: torch.Tensor,
+                         common) -> torch.Tensor:
+        """`sample`'s logits on the sampling rows, with the row indices uploaded without a sync."""
         if common.uniform_decode and len(rows) == len(reqs):  # row i's one token is hidden row i: no gather
             return self.model.compute_logits(hidden[:len(reqs)])
         last_token = common.query_start_loc_cpu[torch.tensor(rows) + 1].long() - 1
-        return self.model.compute_logits(hidden[to_device(last_token)])
+        return self.model.compute_logits(hidden[self._to_device(last_token)])
 
     def _generators(self, reqs: list[ScheduledRequest], rows: list[int]) -> dict[int, torch.Generator]:
         generators = {}
@@ -310,7 +311,7 @@ class ModelRunner:
         rows = [i for i, r in enumerate(reqs) if r.sample]
         if not rows:
             return PendingOutput.ready(ModelRunnerOutput({}))
-        logits = self._sampling_logits(reqs, rows, hidden, common, self._to_device)
+        logits = self._sampling_logits(reqs, rows, hidden, common)
         params = [reqs[i].sampling_params for i in rows]
         logprobs = None
         if all(p.temperature == 0.0 and p.logprobs is None for p in params):

@@ -507,3 +507,58 @@ def test_a_failed_launch_or_resolve_loses_nothing(smollm2_engines):
     assert failures == ["injected launch failure", "injected resolve failure"]
     assert [done[f"f{i}"].token_ids for i in range(3)] == expected
     assert engine.scheduler.kv.usage == 0.0 and engine.scheduler.num_steps_pending == 0
+
+
+# ---- on a GPU (scripts/gpu_suite.sh) ---------------------------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "PIECEWISE", "NONE"])
+def test_cuda_async_matches_sync_and_never_syncs_in_a_launch(tmp_path, mode):
+    """With CUDA graphs: auto turns async scheduling on, its outputs equal the synchronous engine's
+    (greedy with mixed lengths and stops, seeded sampling with logprobs), and launching a step
+    never waits for the GPU (`set_sync_debug_mode("error")` turns torch's implicit syncs into errors:
+    a `.tolist()`, an `.item()`, a blocking host-to-device copy; it does not see Event.synchronize,
+    which the upload guard uses, nor non-blocking copies from pageable memory, which the runner
+    never makes)."""
+    from checkpoints import make_tiny_checkpoint
+    from runner import LLM
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path, _ = make_tiny_checkpoint(tmp_path / "llama", "llama_gqa")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (int(n),), generator=g).tolist() for n in torch.randint(1, 60, (9,), generator=g)]
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(6)]
+    params += [SamplingParams(temperature=0.9, top_p=0.8, seed=11 + i, max_tokens=10, ignore_eos=True, logprobs=2)
+               for i in range(3)]
+    results = {}
+    for setting in (False, None):  # sync first: it picks the stop token
+        llm = LLM(model=str(path), device="cuda", dtype="float32", cudagraph_mode=mode, max_num_seqs=16,
+                  max_num_batched_tokens=64, num_kv_blocks=256, async_scheduling=setting)
+        engine = llm.engine
+        if setting is False:
+            greedy = llm.generate([prompts[2]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                                  use_tqdm=False)[0].token_ids
+            params[2] = SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[greedy[3]])
+        assert engine.async_scheduling == (setting is None) == engine.model_runner.input_batch.guard_uploads
+        if engine.async_scheduling:
+            launch = engine.executor.execute_async
+
+            def no_sync_launch(sched):
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    return launch(sched)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+
+            engine.executor.execute_async = no_sync_launch
+        results[setting] = [_view(o) for o in llm.generate(prompts, params, use_tqdm=False)]
+        if mode != "NONE":
+            assert engine.model_runner.cuda_graph_ready
+        llm.shutdown()
+    # Tokens, text and finish exactly; logprobs to rounding (a batch that differs by a dropped row
+    # may pick another cuBLAS kernel).
+    assert [v[:5] for v in results[None]] == [v[:5] for v in results[False]]
+    for got, want in zip(results[None], results[False]):
+        if want[5] is not None:
+            assert [list(e) for e in got[5]] == [list(e) for e in want[5]]
+            flat = [[v for e in lp for v in e.values()] for lp in (got[5], want[5])]
+            assert flat[0] == pytest.approx(flat[1], abs=1e-4)
+    assert results[None][2][3] == "stop" and len(results[None][2][0]) <= 4
