@@ -44,6 +44,13 @@ class Attention(nn.Module):
         attention_op(self, q, k, v, out=out)
         return out.view(q.shape[0], -1)
 
+    def forward_rotated(self, q: torch.Tensor) -> torch.Tensor:
+        """The attention alone, for a q [T, Hq, D] already rotated whose k/v the caller has already
+        written into this layer's cache (models/small_batch_kernels.norm_qkv_rope_cache) -> [T, Hq * D]."""
+        out = torch.empty_like(q)
+        attention_op(self, q, None, None, out=out)
+        return out.view(q.shape[0], -1)
+
 
 @break_point
 def attention_op(layer: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

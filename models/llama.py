@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from attention.forward_context import get_forward_context
 from attention.layer import Attention
 from models.hf_config import ModelSpec
 from models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, fits_small_batch, small_batch
@@ -52,6 +53,18 @@ class SelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return self.attn(positions, q, k, v)
 
+    def cache_written_here(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(this layer's kv_cache, slot_mapping) when the step's one row may take
+        `norm_qkv_rope_cache`: the attention layer would itself rotate and write the cache (a KV
+        cache, not the profile run; a backend with `kv_written_by_layer`; RoPE over the whole
+        head_dim), and no qk_norm sits between the projection and RoPE. Else None."""
+        if hidden.shape[0] != 1 or self.qk_norm or self.attn.rotary.rotary_dim != self.head_dim:
+            return None
+        context = get_forward_context()
+        if context.kv_caches is None or not context.attn_backend.kv_written_by_layer:
+            return None
+        return context.kv_caches[self.attn.cache_index], context.attn_metadata.slot_mapping
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, cache_index: int) -> None:
@@ -77,18 +90,29 @@ class DecoderLayer(nn.Module):
         """The same layer for a decode row in fewer launches (models/small_batch_kernels.py): each
         projection whose weight `fits_small_batch` takes its kernel, with input_layernorm fused
         into qkv_proj and post_attention_layernorm + SiLU*mul into gate_up_proj; the others run as
-        in `forward`. Same contract: (hidden, residual) in and out, residual None on the first layer."""
+        in `forward`. Where the attention layer would rotate q/k and write the KV cache itself
+        (`SelfAttention.cache_written_here`: one row, no qk_norm, full rotary, a cache-writing
+        backend), RoPE and the KV write are fused into the qkv kernel too (`norm_qkv_rope_cache`)
+        and only the attention op runs after it. Same contract: (hidden, residual) in and out,
+        residual None on the first layer."""
         attn, mlp = self.self_attn, self.mlp
         norm, proj = self.input_layernorm, attn.qkv_proj
-        if fits_small_batch(proj):
-            qkv, residual = kernels.norm_linear(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias)
+        cache = attn.cache_written_here(hidden) if fits_small_batch(proj) else None
+        if cache is not None:   # one row: norm + qkv + RoPE + KV write in one launch, then attention
+            q, residual = kernels.norm_qkv_rope_cache(
+                hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias, positions,
+                attn.attn.rotary.cos_sin_cache, cache[0], cache[1], attn.num_heads, attn.num_kv_heads, attn.head_dim)
+            hidden = attn.attn.forward_rotated(q)
         else:
-            if residual is None:
-                residual, hidden = hidden, norm(hidden)
+            if fits_small_batch(proj):
+                qkv, residual = kernels.norm_linear(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias)
             else:
-                hidden, residual = norm(hidden, residual)
-            qkv = proj(hidden)
-        hidden = attn.attend(positions, qkv)
+                if residual is None:
+                    residual, hidden = hidden, norm(hidden)
+                else:
+                    hidden, residual = norm(hidden, residual)
+                qkv = proj(hidden)
+            hidden = attn.attend(positions, qkv)
         proj = attn.o_proj
         hidden = kernels.linear(hidden, proj.weight, proj.bias) if fits_small_batch(proj) else proj(hidden)
         norm, proj = self.post_attention_layernorm, mlp.gate_up_proj

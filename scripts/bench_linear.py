@@ -11,7 +11,12 @@ Per model shape (scripts/model_shapes.py) and row count M, one decoder layer's f
     gate_up  unfused: add_rms_norm + F.linear + silu_and_mul    fused: norm_gate_up_silu
     down     unfused: F.linear                                  fused: linear (Triton GEMV)
 
-and `layer`, their sum. Each variant is captured `--repeats` (50) times into one CUDA graph, as
+and `layer`, their sum. For one row (M = 1) a separate `qkv+rope` row times the decode step's
+norm + qkv + RoPE + KV-cache write (not part of `layer`, and reported under the JSON's `rope_rows`):
+
+    qkv+rope unfused: norm_linear + rope_and_cache             fused: norm_qkv_rope_cache
+
+Each variant is captured `--repeats` (50) times into one CUDA graph, as
 it runs inside a FULL-graph decode step, and the graph's replays are timed with CUDA events (the
 median of `--replays`); the figure is microseconds per call. Each captured call reads its own copy
 of the weights (up to `--repeats` copies, about COLD_BYTES in all), so weights come from HBM as in
@@ -57,7 +62,47 @@ def shape_dims(name: str) -> dict[str, int]:
     hidden = c["hidden_size"]
     head_dim = c.get("head_dim") or hidden // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
-    return dict(hidden=hidden, q=q, kv=kv, intermediate=c["intermediate_size"])
+    return dict(hidden=hidden, q=q, kv=kv, intermediate=c["intermediate_size"], heads=c["num_attention_heads"],
+                kv_heads=c["num_key_value_heads"], head_dim=head_dim)
+
+
+ROPE_CACHE_BLOCKS, ROPE_CACHE_BLOCK_SIZE = 64, 16
+"""The paged KV cache the qkv+rope row writes into (one slot per call)."""
+
+
+def qkv_rope_calls(dims: dict[str, int], dtype: torch.dtype, device: torch.device, copies: int | None,
+                   repeats: int):
+    """(unfused(i), fused(i), weight bytes) for one row's norm + qkv + RoPE + KV write: norm_linear then
+    fused_kernels.rope_and_cache, against small_batch_kernels.norm_qkv_rope_cache."""
+    from models import fused_kernels, small_batch_kernels as sbk
+
+    hidden, hq, hkv, dim = dims["hidden"], dims["heads"], dims["kv_heads"], dims["head_dim"]
+    n = dims["q"] + 2 * dims["kv"]
+    weight_bytes = n * hidden * torch.empty((), dtype=dtype).element_size()
+    if copies is None:
+        copies = min(repeats, max(1, math.ceil(COLD_BYTES / weight_bytes)))
+    torch.manual_seed(0)
+    weights = [torch.randn(n, hidden, device=device, dtype=dtype) / math.sqrt(hidden) for _ in range(copies)]
+    x = torch.randn(1, hidden, device=device, dtype=dtype)
+    residual = torch.randn(1, hidden, device=device, dtype=dtype)
+    norm_w = torch.rand(hidden, device=device, dtype=dtype) + 0.5
+    positions = torch.tensor([100], device=device)
+    slots = torch.tensor([37], device=device)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    freqs = torch.outer(torch.arange(1024, dtype=torch.float32), inv_freq)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+    cache = torch.zeros(2, ROPE_CACHE_BLOCKS, ROPE_CACHE_BLOCK_SIZE, hkv, dim, device=device, dtype=dtype)
+
+    def unfused(i):
+        qkv, r = sbk.norm_linear(x, residual, norm_w, EPS, weights[i % copies])
+        q, k, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
+        return fused_kernels.rope_and_cache(positions, q.view(1, hq, dim), k.view(1, hkv, dim), v.view(1, hkv, dim),
+                                            cos_sin, cache, slots), r
+
+    def fused(i):
+        return sbk.norm_qkv_rope_cache(x, residual, norm_w, EPS, weights[i % copies], None, positions, cos_sin,
+                                       cache, slots, hq, hkv, dim)
+    return unfused, fused, weight_bytes
 
 
 def projection_calls(proj: str, dims: dict[str, int], rows: int, dtype: torch.dtype, device: torch.device,
@@ -151,6 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{'hot (one weight copy)' if args.hot else 'cold weights'}", flush=True)
 
     rows_out = []
+    rope_rows = []   # qkv+rope at M = 1: kept apart from the four projections and their `layer` sum
     for shape in args.shapes:
         dims = shape_dims(shape)
         for m in args.rows:
@@ -173,17 +219,27 @@ def main(argv: list[str] | None = None) -> dict:
                       f"x{row['ratio']:.2f}", flush=True)
             rows_out.append(dict(shape=shape, projection="layer", rows=m, weight_mb=None, **layer,
                                  ratio=layer["unfused_us"] / layer["fused_us"]))
+            if m == 1:
+                unfused, fused, weight_bytes = qkv_rope_calls(dims, dtype, device, 1 if args.hot else None,
+                                                              args.repeats)
+                t_unfused = time_us_per_call(unfused, args.repeats, args.replays, device)
+                t_fused = time_us_per_call(fused, args.repeats, args.replays, device)
+                del unfused, fused
+                rope_rows.append(dict(shape=shape, projection="qkv+rope", rows=m, weight_mb=weight_bytes / 1e6,
+                                      unfused_us=t_unfused, fused_us=t_fused, ratio=t_unfused / t_fused))
+                print(f"{shape:>14} M={m:<3d} qkv+rope: unfused {t_unfused:8.2f} us  fused {t_fused:8.2f} us  "
+                      f"x{t_unfused / t_fused:.2f}", flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
     print("\n| shape | projection | M | unfused (us) | fused (us) | unfused / fused |")
     print("|---|---|---:|---:|---:|---:|")
-    for r in rows_out:
+    for r in rows_out + rope_rows:
         proj = f"**{r['projection']}**" if r["projection"] == "layer" else r["projection"]
         print(f"| {r['shape']} | {proj} | {r['rows']} | {r['unfused_us']:.2f} | {r['fused_us']:.2f} | "
               f"{r['ratio']:.2f} |")
     result = dict(device=name, dtype=args.dtype, repeats=args.repeats, replays=args.replays, hot=args.hot,
-                  rows=rows_out)
+                  rows=rows_out, rope_rows=rope_rows)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return result

@@ -151,11 +151,109 @@ def test_block_sizes_fill_the_gpu_and_fit_the_paths(monkeypatch):
     assert sbk.block_sizes(1, 1536, 576, torch.bfloat16, cuda, gated=True)[1:3] == (4, 1024)
 
 
+# --- norm_qkv_rope_cache: one row, norm + qkv + RoPE + KV-cache write -----------------------------
+
+QKV_ROPE_SHAPES = [(9, 3, 64, 576), (4, 2, 16, 64), (4, 4, 32, 100)]   # (Hq, Hkv, D, K): SmolLM2; small; odd K
+QKV_ROPE_CASES = [(True, True, 5, 7), (False, False, 13, 30), (True, False, -1, 3), (False, True, -1, 0)]
+"""(residual, bias, slot, position); SmolLM2's shape (~1.5 s a case in the interpreter) takes the first two
+and the third."""
+
+
+def _qkv_rope_inputs(hq, hkv, dim, k, dtype, residual, bias, seed):
+    from models.layers import RotaryEmbedding
+    from transformers import LlamaConfig
+
+    x, res, norm, weight, b = _inputs(1, k, (hq + 2 * hkv) * dim, dtype, residual, bias, seed)
+    config = LlamaConfig(hidden_size=hq * dim, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=dim,
+                         max_position_embeddings=64, rope_theta=10000.0)
+    cos_sin = RotaryEmbedding(config, 64).cos_sin_cache.to(DEVICE)
+    g = torch.Generator().manual_seed(seed + 1)
+    cache = torch.randn(2, 5, 4, hkv, dim, generator=g).to(DEVICE, dtype)   # 5 blocks of 4 slots
+    return x, res, norm, weight, b, cos_sin, cache
+
+
+def _check_qkv_rope(hq, hkv, dim, k, dtype, residual, bias, slot, position):
+    x, res, norm, weight, b, cos_sin, cache = _qkv_rope_inputs(hq, hkv, dim, k, dtype, residual, bias,
+                                                               seed=hq * 100 + dim + k + slot)
+    positions = torch.tensor([position], device=DEVICE)
+    slots = torch.tensor([slot], device=DEVICE)
+    before = cache.clone()
+    ref_cache = cache.clone()
+    qkv, ref_res = sbk.norm_linear(x, res, norm.weight, EPS, weight, b)
+    q, kk, v = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
+    from models import fused_kernels
+    ref_q = fused_kernels.rope_and_cache(positions, q.view(1, hq, dim), kk.view(1, hkv, dim), v.view(1, hkv, dim),
+                                         cos_sin, ref_cache, slots)
+    got_q, got_res = sbk.norm_qkv_rope_cache(x, res, norm.weight, EPS, weight, b, positions, cos_sin, cache, slots,
+                                             hq, hkv, dim)
+    assert got_q.shape == (1, hq, dim) and got_q.is_contiguous()
+    if res is None:
+        assert got_res is x
+    else:
+        assert torch.equal(got_res, ref_res)
+    changed = (cache != before).any(dim=0).flatten(2).any(-1).flatten()   # per slot
+    if slot < 0:
+        assert torch.equal(cache, before)
+    else:
+        assert changed.nonzero().flatten().tolist() in ([slot], [])   # only the slot (random data differs)
+        assert changed[slot]
+    if dtype == torch.float32 and DEVICE == "cpu":
+        assert torch.equal(got_q, ref_q) and torch.equal(cache, ref_cache)   # the interpreter: bit for bit
+    elif dtype == torch.float32:
+        _close(got_q, ref_q, dtype)
+        _close(cache, ref_cache, dtype)
+    else:
+        _close(got_q, ref_q, dtype)
+        _close(cache, ref_cache, dtype)
+    # and against torch from scratch (RMSNorm, F.linear, neox rotation)
+    if res is None:
+        h = norm.reference(x)
+    else:
+        h, _ = norm.reference(x, res)
+    full = F.linear(h, weight, b).view(hq + 2 * hkv, dim).float()
+    cos, sin = cos_sin[position].float().chunk(2)
+    a, bb = full[:, :dim // 2], full[:, dim // 2:]
+    rot = torch.cat([a * cos - bb * sin, bb * cos + a * sin], dim=-1)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    assert torch.allclose(got_q[0].float(), rot[:hq], atol=tol, rtol=tol)
+    if slot >= 0:
+        cached = cache[:, slot // 4, slot % 4].float()
+        assert torch.allclose(cached[0], rot[hq:hq + hkv], atol=tol, rtol=tol)
+        assert torch.allclose(cached[1], full[hq + hkv:], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("residual, bias, slot, position", QKV_ROPE_CASES)
+@pytest.mark.parametrize("hq, hkv, dim, k", QKV_ROPE_SHAPES)
+def test_norm_qkv_rope_cache_matches_norm_linear_then_rope_and_cache(hq, hkv, dim, k, residual, bias, slot,
+                                                                      position, dtype):
+    if k == 576 and DEVICE == "cpu" and (residual, bias, slot, position) == QKV_ROPE_CASES[3]:
+        pytest.skip("SmolLM2's shape: three cases suffice in the interpreter")
+    _check_qkv_rope(hq, hkv, dim, k, dtype, residual, bias, slot, position)
+
+
+def test_norm_qkv_rope_cache_grid_and_refusals(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(sbk, "_num_sms", lambda index: 132)
+    units = (9 + 2 * 3) * 32   # SmolLM2: 480 column pairs
+    block_n, block_k = sbk.qkv_rope_block_sizes(units, 960, 576, torch.bfloat16, cuda)
+    assert block_k == sbk.block_sizes(1, 960, 576, torch.bfloat16, cuda)[2] == 1024   # one K tile
+    assert -(-units // block_n) >= 100
+    x = torch.randn(2, 64, device=DEVICE)
+    args = (torch.ones(64, device=DEVICE), EPS, torch.randn(128, 64, device=DEVICE), None,
+            torch.zeros(1, dtype=torch.long, device=DEVICE), torch.zeros(8, 16, device=DEVICE),
+            torch.zeros(2, 2, 4, 2, 16, device=DEVICE), torch.zeros(1, dtype=torch.long, device=DEVICE), 4, 2, 16)
+    with pytest.raises(ValueError, match="one row"):
+        sbk.norm_qkv_rope_cache(x, None, *args)
+    with pytest.raises(ValueError, match="qkv weight"):
+        sbk.norm_qkv_rope_cache(x[:1], None, *args[:8], 4, 3, 16)
+
+
 # --- The model: the small-batch path on vs off -------------------------------------------------
 
 def _spy():
     """The kernels module behind a namespace that counts calls."""
-    calls = {"norm_linear": 0, "norm_gate_up_silu": 0, "linear": 0}
+    calls = {"norm_linear": 0, "norm_gate_up_silu": 0, "linear": 0, "norm_qkv_rope_cache": 0}
 
     def counted(name):
         def call(*args, **kwargs):
@@ -202,6 +300,109 @@ def test_model_logits_same_with_small_batch_path_forced(tmp_path, monkeypatch, f
     for got_batch, expected_batch in zip(got, expected):
         for a, b in zip(got_batch, expected_batch):
             assert (a - b).abs().max().item() < 1e-4
+
+
+class _CacheBackend:
+    """A torch attention backend over the paged cache (one decode row): writes k/v at the slot when
+    given them, then attends over `metadata.context_slots` (or, without a cache, over the row itself)."""
+
+    def __init__(self, kv_written_by_layer: bool) -> None:
+        self.kv_written_by_layer = kv_written_by_layer
+        self.calls = []
+
+    def forward(self, layer, query, key, value, out, kv_cache, metadata):
+        self.calls.append(key is None)
+        if kv_cache is None:
+            keys, values = key, value
+        else:
+            flat = kv_cache.flatten(1, 2)   # [2, slots, Hkv, D]
+            if key is not None:
+                flat[0, metadata.slot_mapping] = key
+                flat[1, metadata.slot_mapping] = value
+            keys, values = flat[0, metadata.context_slots], flat[1, metadata.context_slots]
+        rep = query.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
+        scores = torch.einsum("hd,thd->ht", query[0], keys) * layer.scale
+        out[0] = torch.einsum("ht,thd->hd", scores.softmax(-1), values)
+
+
+_LAYER_MODELS = {}
+
+
+def _tiny_model(tmp_path_factory, family):
+    if family not in _LAYER_MODELS:
+        from checkpoints import make_tiny_checkpoint
+        from model_helpers import load_ours
+
+        path, _ = make_tiny_checkpoint(tmp_path_factory.mktemp(family), family, with_tokenizer=False)
+        _LAYER_MODELS[family] = load_ours(path)
+    return _LAYER_MODELS[family]
+
+
+ROPE_CACHE_CASES = ["fused", "backend_writes_kv", "profile_run", "two_rows", "qkv_too_big", "partial_rotary"]
+
+
+@pytest.mark.parametrize("case", ROPE_CACHE_CASES)
+@pytest.mark.parametrize("family", ["llama_gqa", "qwen2", "qwen3"])
+def test_decoder_layer_fuses_rope_and_cache_into_qkv_only_where_it_applies(tmp_path_factory, monkeypatch,
+                                                                           family, case):
+    """DecoderLayer.forward_small_batch inside a forward context with a KV cache: one row, a backend
+    that lets the layer write the cache, full rotary and no qk_norm take `norm_qkv_rope_cache` and then
+    the attention alone (key/value None); everything else takes norm_linear + Attention.forward. Either
+    way the layer's outputs and the cache equal the reference layer's (fp32, the interpreter)."""
+    from attention.forward_context import ForwardContext, set_forward_context
+
+    model = _tiny_model(tmp_path_factory, family)
+    rows = 2 if case == "two_rows" else 1
+    position = 6
+    g = torch.Generator().manual_seed(3)
+    for index, layer in model.model.layers.items():   # layer 0: residual None; layer 1: a residual
+        attn = layer.self_attn
+        hidden = torch.randn(rows, model.spec.hidden_size, generator=g)
+        residual = None if index == "0" else torch.randn(rows, model.spec.hidden_size, generator=g)
+        positions = torch.arange(position, position + rows)
+        cache = torch.randn(2, 4, 4, attn.num_kv_heads, attn.head_dim, generator=g)   # 16 slots, 6 in context
+        metadata = types.SimpleNamespace(slot_mapping=torch.arange(position, position + rows) + 3,
+                                         context_slots=torch.cat([torch.arange(position), torch.tensor([9])]))
+
+        def run(layer_fn, backend_flag, kv_cache):
+            backend = _CacheBackend(backend_flag)
+            caches = None if kv_cache is None else [kv_cache] * model.num_local_layers
+            with set_forward_context(ForwardContext(metadata, caches, backend)), torch.no_grad():
+                return layer_fn(), backend.calls
+
+        if rows > 1:   # the fake backend attends one row only: check the dispatch alone
+            monkeypatch.setattr(attn.attn, "forward_rotated", lambda q: pytest.fail("fused path with 2 rows"))
+            monkeypatch.setattr(attn.attn, "forward", lambda positions, q, k, v: q.flatten(1))
+        if case == "partial_rotary":   # the cos/sin table stays whole: check the decision alone
+            monkeypatch.setattr(model.model.rotary_emb, "rotary_dim", attn.head_dim // 2)
+            assert run(lambda: attn.cache_written_here(hidden), True, cache)[0] is None
+            monkeypatch.undo()
+            if family != "qwen3":
+                assert run(lambda: attn.cache_written_here(hidden), True, cache)[0] is not None
+            continue
+        admitted = case != "qkv_too_big"
+        names = {id(module): name.rsplit(".", 1)[-1] for name, module in model.named_modules()}
+        monkeypatch.setattr(llama, "fits_small_batch", lambda lin: admitted or names[id(lin)] != "qkv_proj")
+        kv_cache = None if case == "profile_run" else cache
+        flag = case != "backend_writes_kv"
+
+        ref_cache = None if kv_cache is None else kv_cache.clone()
+        expected, _ = run(lambda: layer.forward(positions, hidden, residual), flag, ref_cache)   # CPU: reference
+        spy, calls = _spy()
+        got_cache = None if kv_cache is None else kv_cache.clone()
+        got, attn_calls = run(lambda: layer.forward_small_batch(spy, positions, hidden, residual), flag, got_cache)
+
+        fused = case == "fused" and family != "qwen3"
+        assert calls["norm_qkv_rope_cache"] == int(fused)
+        assert calls["norm_linear"] == int(not fused and admitted)
+        if rows == 1:
+            assert attn_calls == [fused]   # the attention op got key None exactly when the layer cached k/v
+        for a, b in zip(got, expected):
+            assert (a - b).abs().max().item() < 1e-5
+        if kv_cache is not None:
+            assert (got_cache - ref_cache).abs().max().item() < 1e-5   # F.linear vs the GEMV: sum order
+            assert torch.equal(got_cache.flatten(1, 2)[:, :9], kv_cache.flatten(1, 2)[:, :9])   # other slots
 
 
 def test_fits_small_batch_follows_weight_bytes(monkeypatch):
@@ -296,9 +497,80 @@ def test_engine_greedy_tokens_same_with_small_batch_path_on_and_off(tmp_path, mo
                   cudagraph_capture_sizes=[1, 2, 4, 8], max_num_seqs=8, max_num_batched_tokens=256,
                   num_kv_blocks=256)
         tokens[on] = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-        assert (calls["norm_linear"] > 0) == on
+        assert (calls["norm_linear"] > 0) == on   # rows 2..8; one-row steps may take norm_qkv_rope_cache
         llm.shutdown()
         del llm
         gc.collect()
         torch.cuda.empty_cache()
+    assert tokens[True] == tokens[False] == expected
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_qkv_rope_cache_replays_in_a_cuda_graph(dtype):
+    """Captured once, replayed with new x, position and slot (one of them -1) in the same buffers."""
+    hq, hkv, dim, k = 9, 3, 64, 576
+    x, res, norm, weight, b, cos_sin, cache = _qkv_rope_inputs(hq, hkv, dim, k, dtype, True, True, seed=0)
+    positions = torch.zeros(1, dtype=torch.long, device="cuda")
+    slots = torch.zeros(1, dtype=torch.long, device="cuda")
+    step = lambda c: sbk.norm_qkv_rope_cache(x, res, norm.weight, EPS, weight, b, positions, cos_sin, c, slots,
+                                             hq, hkv, dim)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        step(cache.clone())
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q, r = step(cache)
+    for seed, (pos, slot) in enumerate([(3, 7), (11, -1), (0, 19)]):
+        g = torch.Generator().manual_seed(seed)
+        x.copy_(torch.randn(x.shape, generator=g).to(dtype))
+        positions.fill_(pos)
+        slots.fill_(slot)
+        ref_cache = cache.clone()
+        qkv, ref_r = sbk.norm_linear(x, res, norm.weight, EPS, weight, b)
+        qq, kk, vv = qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1)
+        from models import fused_kernels
+        ref_q = fused_kernels.rope_and_cache(positions, qq.view(1, hq, dim), kk.view(1, hkv, dim),
+                                             vv.view(1, hkv, dim), cos_sin, ref_cache, slots)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(r, ref_r)
+        _close(q, ref_q, dtype)
+        _close(cache, ref_cache, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["NONE", "FULL"])
+def test_engine_greedy_tokens_same_with_fused_rope_cache_on_and_off(tmp_path, monkeypatch, mode):
+    """One prompt at a time (decode steps of one row, SMALL_BATCH_MAX_ROWS as shipped): the layers take
+    norm_qkv_rope_cache, and fp32 greedy tokens equal those of the path without it and of HF."""
+    import gc
+
+    from checkpoints import hf_greedy_generate, make_tiny_checkpoint
+    from configs import SamplingParams
+    from runner import LLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path, hf = make_tiny_checkpoint(tmp_path / "llama", "llama_gqa")
+    prompts = [[5, 17, 99, 3, 42, 8, 250, 11, 64]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = hf_greedy_generate(hf, prompts, greedy.max_tokens, ignore_eos=True)
+    tokens = {}
+    for on in (True, False):
+        spy, calls = _spy()
+        if not on:
+            spy.norm_qkv_rope_cache = lambda *args, **kwargs: pytest.fail("fused RoPE path while off")
+            monkeypatch.setattr(llama.SelfAttention, "cache_written_here", lambda self, hidden: None)
+        monkeypatch.setattr(llama, "small_batch", lambda x: spy if layers.small_batch(x) is not None else None)
+        llm = LLM(model=str(path), device="cuda", dtype="float32", cudagraph_mode=mode,
+                  cudagraph_capture_sizes=[1, 2, 4], max_num_seqs=4, max_num_batched_tokens=256,
+                  num_kv_blocks=64)
+        tokens[on] = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        assert (calls["norm_qkv_rope_cache"] > 0) == on
+        llm.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+        monkeypatch.undo()
     assert tokens[True] == tokens[False] == expected
