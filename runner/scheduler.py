@@ -9,8 +9,8 @@ freed and it goes back to the front of the queue to recompute prompt + outputs l
 Async scheduling: `schedule()` may plan step n+1 while step n is in flight (scheduled, not yet
 `update`d; at most one). A request then counts `num_computed_tokens + num_inflight_tokens` as
 computed and, when step n samples it, one placeholder token past its known ones: a decode that
-feeds it is scheduled with `token_ids=[PLACEHOLDER_TOKEN_ID]` and `input_from_prev` = its row in
-step n's sampled tokens, which the runner gathers on the device. A request whose placeholder
+feeds it is scheduled with `token_ids=[PLACEHOLDER_TOKEN_ID]`, and `SchedulerOutput` names its
+token row and its row in step n's sampled tokens, which the runner gathers on the device. A request whose placeholder
 certainly ends it (the length limit) is not scheduled; one that turns out to have stopped at
 step n (stop token, stop string, abort) is finished by then and `update` skips its step n+1
 work. A step that would need to preempt returns None instead: the caller applies step n first
@@ -40,8 +40,9 @@ class ScheduledRequest:           # one request's share of a step
     sampling_params: SamplingParams
     output_token_count: int       # tokens generated so far, placeholders included
     block_table_id: int = -1      # Request.block_table_id: same id, same table (grown at most); -1 = unknown
-    input_from_prev: int = -1     # >= 0: token_ids is [PLACEHOLDER_TOKEN_ID]; the token is this row of the
-                                  # previous step's sampled tokens (async scheduling)
+    # Async scheduling: token_ids == [PLACEHOLDER_TOKEN_ID] marks a decode of the token in flight; the
+    # SchedulerOutput's prev_* rows say where it comes from (no field here: the synchronous hot path
+    # builds one of these per request per step).
 
 
 PLACEHOLDER_TOKEN_ID = -1
@@ -56,9 +57,9 @@ class SchedulerOutput:
     preempted_ids: list[str]
     finished_ids: list[str]       # freed this step (abort / finished last step)
     prev_token_rows: list[int] = field(default_factory=list)
-    """Token rows of this step whose input is a placeholder (one per `input_from_prev >= 0` request)..."""
+    """Token rows of this step whose input is a placeholder (async), in schedule order..."""
     prev_sample_rows: list[int] = field(default_factory=list)
-    """...and, in the same order, the rows of the previous step's sampled tokens that fill them."""
+    """...and the rows of the previous step's sampled tokens that fill them (`Request.placeholder_row`)."""
 
 
 @dataclass(slots=True)
@@ -263,17 +264,14 @@ class Scheduler:
         row = request.placeholder_row
         step.entries.append((request, num_new, sample, row))
         request.num_inflight_tokens += num_new
-        if placeholders:
-            token_ids, input_from_prev = [PLACEHOLDER_TOKEN_ID], row
-        else:
-            token_ids, input_from_prev = request.token_ids_slice(start, start + num_new), -1
+        token_ids = [PLACEHOLDER_TOKEN_ID] if placeholders else request.token_ids_slice(start, start + num_new)
         if sample:
             request.num_output_placeholders += 1
             request.placeholder_row = len(step.sampling)  # the order of the step's sampled tokens
             step.sampling.add(request.request_id)
         return ScheduledRequest(request.request_id, token_ids, start, request.block_ids, sample,
                                 request.sampling_params, len(request.output_token_ids) + placeholders,
-                                request.block_table_id, input_from_prev)
+                                request.block_table_id)
 
     def _undo(self, step: _Step) -> None:
         """Forget a step's in-flight accounting (its blocks stay: the same work comes again)."""

@@ -43,16 +43,17 @@ class AsyncDriver:
 
     def launch(self, out) -> tuple[dict[str, int], list[int]]:
         _, prev_rows = self.in_flight if self.in_flight is not None else ({}, [])
-        token_rows = []
+        token_rows, placeholders = [], []
         offset = 0
         for s in out.scheduled:
-            if s.input_from_prev >= 0:
+            if PLACEHOLDER_TOKEN_ID in s.token_ids:
                 assert s.token_ids == [PLACEHOLDER_TOKEN_ID] and s.sample
                 token_rows.append(offset)
-                s.token_ids = [prev_rows[s.input_from_prev]]
+                placeholders.append(s)
             offset += len(s.token_ids)
-        assert token_rows == out.prev_token_rows
-        assert [s.input_from_prev for s in out.scheduled if s.input_from_prev >= 0] == out.prev_sample_rows
+        assert token_rows == out.prev_token_rows and len(out.prev_sample_rows) == len(token_rows)
+        for s, row in zip(placeholders, out.prev_sample_rows):
+            s.token_ids = [prev_rows[row]]
         sampled = self.runner.execute(out)
         return sampled, [sampled[s.request_id] for s in out.scheduled if s.sample]
 
@@ -97,8 +98,8 @@ def test_placeholder_and_in_flight_accounting():
 
     second = sched.schedule()  # step 1 in flight: both decode their placeholder
     sa, sb = second.scheduled
-    assert (sa.token_ids, sa.num_computed_tokens, sa.input_from_prev, sa.output_token_count) == ([-1], 5, 0, 1)
-    assert (sb.token_ids, sb.num_computed_tokens, sb.input_from_prev) == ([-1], 2, 1)
+    assert (sa.token_ids, sa.num_computed_tokens, sa.output_token_count) == ([-1], 5, 1)
+    assert (sb.token_ids, sb.num_computed_tokens) == ([-1], 2)
     assert (second.prev_token_rows, second.prev_sample_rows) == ([0, 1], [0, 1])
     assert second.num_scheduled_tokens == 2
     assert len(a.block_ids) == 2  # position 5 (the placeholder's) is in the second block of 4
@@ -110,7 +111,7 @@ def test_placeholder_and_in_flight_accounting():
     assert a.output_token_ids == [11] and a.num_computed_tokens == 5
     assert (a.num_inflight_tokens, a.num_output_placeholders) == (1, 1)
     third = sched.schedule()
-    assert [s.input_from_prev for s in third.scheduled] == [0, 1]  # rows of step 2's sampled tokens
+    assert third.prev_sample_rows == [0, 1]  # rows of step 2's sampled tokens
     assert [s.num_computed_tokens for s in third.scheduled] == [6, 3]
     sched.update({"a": 13, "b": 14})
     sched.update({"a": 15, "b": 16})
@@ -128,8 +129,8 @@ def test_rows_follow_the_order_of_sampling_requests():
     assert [(s.request_id, len(s.token_ids), s.sample) for s in first.scheduled] == [("a", 1, True), ("b", 5, False)]
     sched.add_request(c)
     second = sched.schedule()  # a decodes its placeholder, b's prefill goes on (known tokens), c is admitted
-    assert [(s.request_id, s.token_ids, s.input_from_prev) for s in second.scheduled] == [
-        ("a", [-1], 0), ("b", [4] * 4, -1), ("c", [5], -1)]
+    assert [(s.request_id, s.token_ids) for s in second.scheduled] == [("a", [-1]), ("b", [4] * 4), ("c", [5])]
+    assert (second.prev_token_rows, second.prev_sample_rows) == ([0], [0])
     assert (a.placeholder_row, b.placeholder_row, c.placeholder_row) == (0, 1, 2)
 
 
@@ -213,8 +214,9 @@ def test_cancel_step_forgets_the_newest_step():
     sched.cancel_step()  # the launch of step 2 failed
     assert (a.num_inflight_tokens, a.num_output_placeholders, a.placeholder_row) == (3, 1, 0)
     again = sched.schedule()
-    assert [(s.token_ids, s.num_computed_tokens, s.input_from_prev) for s in again.scheduled] == [
-        (s.token_ids, s.num_computed_tokens, s.input_from_prev) for s in second.scheduled]
+    assert [(s.token_ids, s.num_computed_tokens) for s in again.scheduled] == [
+        (s.token_ids, s.num_computed_tokens) for s in second.scheduled]
+    assert (again.prev_token_rows, again.prev_sample_rows) == (second.prev_token_rows, second.prev_sample_rows)
     sched.cancel_step()
     sched.cancel_step()  # and step 1's tokens were lost as well: back to nothing scheduled
     assert (a.num_inflight_tokens, a.num_output_placeholders, a.num_computed_tokens) == (0, 0, 0)
