@@ -158,7 +158,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """`forward(input_ids [T], positions [T], intermediate=None)` -> hidden [T, H] on the last
-    pipeline rank, IntermediateTensors elsewhere; `compute_logits(hidden [N, H])` -> [N, V] fp32."""
+    pipeline rank, IntermediateTensors elsewhere; `compute_logits(hidden [N, H])` -> [N, V] fp32 (model dtype on request)."""
 
     def __init__(self, spec: ModelSpec, layer_range: range | None = None, max_positions: int | None = None):
         super().__init__()
@@ -186,5 +186,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, intermediate: IntermediateTensors | None = None):
         return self.model(input_ids, positions, intermediate)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """Logits of the rows of hidden; in float32 for the sampler, or in the model dtype where
+        only their argmax is needed (the same index: the float32 values are exact conversions)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if float32 else logits

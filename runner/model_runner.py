@@ -287,12 +287,12 @@ class ModelRunner:
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def _sampling_logits(self, reqs: list[ScheduledRequest], rows: list[int], hidden: torch.Tensor,
-                         common) -> torch.Tensor:
+                         common, float32: bool = True) -> torch.Tensor:
         """`sample`'s logits on the sampling rows, with the row indices uploaded without a sync."""
         if common.uniform_decode and len(rows) == len(reqs):  # row i's one token is hidden row i: no gather
-            return self.model.compute_logits(hidden[:len(reqs)])
+            return self.model.compute_logits(hidden[:len(reqs)], float32)
         last_token = common.query_start_loc_cpu[torch.tensor(rows) + 1].long() - 1
-        return self.model.compute_logits(hidden[self._to_device(last_token)])
+        return self.model.compute_logits(hidden[self._to_device(last_token)], float32)
 
     def _generators(self, reqs: list[ScheduledRequest], rows: list[int]) -> dict[int, torch.Generator]:
         generators = {}
@@ -311,11 +311,12 @@ class ModelRunner:
         rows = [i for i, r in enumerate(reqs) if r.sample]
         if not rows:
             return PendingOutput.ready(ModelRunnerOutput({}))
-        logits = self._sampling_logits(reqs, rows, hidden, common)
         params = [reqs[i].sampling_params for i in rows]
+        greedy = all(p.temperature == 0.0 and p.logprobs is None for p in params)
+        logits = self._sampling_logits(reqs, rows, hidden, common, float32=not greedy)
         logprobs = None
-        if all(p.temperature == 0.0 and p.logprobs is None for p in params):
-            sampled = logits.argmax(dim=-1)
+        if greedy:
+            sampled = logits.argmax(dim=-1)  # in the model dtype: same index, one conversion kernel less
         else:
             metadata = SamplingMetadata.from_params(params, self._generators(reqs, rows), "cpu")
             if self.device.type != "cpu":
@@ -351,13 +352,14 @@ class ModelRunner:
         rows = [i for i, r in enumerate(reqs) if r.sample]
         if not rows:
             return ModelRunnerOutput({})
+        params = [reqs[i].sampling_params for i in rows]
+        greedy = all(p.temperature == 0.0 and p.logprobs is None for p in params)
         if common.uniform_decode and len(rows) == len(reqs):  # row i's one token is hidden row i: no gather
-            logits = self.model.compute_logits(hidden[:len(reqs)])
+            logits = self.model.compute_logits(hidden[:len(reqs)], float32=not greedy)
         else:
             last_token = common.query_start_loc_cpu[torch.tensor(rows) + 1].long() - 1
-            logits = self.model.compute_logits(hidden[last_token.to(self.device)])
-        params = [reqs[i].sampling_params for i in rows]
-        if all(p.temperature == 0.0 and p.logprobs is None for p in params):
+            logits = self.model.compute_logits(hidden[last_token.to(self.device)], float32=not greedy)
+        if greedy:
             token_ids = logits.argmax(dim=-1).tolist()  # the common greedy case: no sampling metadata
             return ModelRunnerOutput(dict(zip([reqs[i].request_id for i in rows], token_ids)))
         result = self.sampler(logits, SamplingMetadata.from_params(params, self._generators(reqs, rows), self.device))

@@ -8,7 +8,13 @@
 #        recheck: decode (with HF), default-size capture and throughput only;
 #        probe: GPU tests, cold capture + graph memory + serving at gpu_memory_utilization 0.95,
 #               kernel profiles of the SmolLM2 step, decode FULL/PIECEWISE, throughput;
-#        goals: the goal figures (decode per mode with HF, capture, throughput, profiles).
+#        goals: the goal figures (decode per mode with HF, capture, throughput, profiles);
+#        s3probe: GPU tests, host cost of an eager launch, fused small-batch linears vs cuBLAS,
+#                 profiles, decode FULL/PIECEWISE with everything on, then with the small-batch
+#                 kernels and the fast eager launch off (before/after in one run);
+#        s3check: GPU tests, linear micro-benchmarks, FULL profile, decode FULL/PIECEWISE with this
+#                 session's changes off, then on with async scheduling off and on, in one run; s3goals: the goal figures (decode per mode with HF, cold
+#                 capture + serving at 0.95, throughput, FULL host profile); s3tests: the GPU tests.
 # Logs go to $OUT/suite.log, figures to $OUT/*.json and $OUT/*.png; a short table comes last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -76,6 +82,45 @@ if [[ $STAGE == probe ]]; then
   step decode 120 python3 scripts/bench_decode.py --modes FULL PIECEWISE --batch-sizes 1 32 --warmup 3 --steps 15 \
     --no-hf --no-plot --json "$OUT/decode.json"
   step throughput 90 python3 scripts/bench_throughput.py --json "$OUT/throughput.json"
+fi
+if [[ $STAGE == s3probe ]]; then
+  step cuda-tests 200 python3 -m pytest -q -p no:cacheprovider -m cuda -rA -s tests --deselect tests/test_pipeline.py
+  step kernel-tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_fused_kernels.py \
+    tests/test_small_batch_kernels.py tests/test_fast_launch.py
+  step launch 40 python3 scripts/bench_launch.py --json "$OUT/launch.json"
+  step linear 120 python3 scripts/bench_linear.py --json "$OUT/linear.json"
+  step profile-full 60 python3 scripts/profile_step.py --mode FULL --batch-size 1
+  step profile-pw 60 python3 scripts/profile_step.py --mode PIECEWISE --batch-size 1 --host-profile
+  step decode 150 python3 scripts/bench_decode.py --modes FULL PIECEWISE --batch-sizes 1 32 --warmup 3 --steps 15 \
+    --no-hf --no-plot --json "$OUT/decode.json"
+  step decode-before 150 env GRAPHRUNNER_SMALL_BATCH_KERNELS=0 GRAPHRUNNER_FAST_LAUNCH=0 python3 scripts/bench_decode.py \
+    --modes FULL PIECEWISE --batch-sizes 1 32 --warmup 3 --steps 15 --no-hf --no-plot --json "$OUT/decode_before.json"
+fi
+if [[ $STAGE == s3check ]]; then
+  step cuda-tests 200 python3 -m pytest -q -p no:cacheprovider -m cuda -rA tests --deselect tests/test_pipeline.py
+  step kernel-tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_fused_kernels.py \
+    tests/test_small_batch_kernels.py tests/test_fast_launch.py
+  step linear 60 python3 scripts/bench_linear.py --shapes smollm2-135m llama-3.2-1b --json "$OUT/linear.json"
+  step profile-full 60 python3 scripts/profile_step.py --mode FULL --batch-size 1
+  step decode-before 100 env GRAPHRUNNER_SMALL_BATCH_KERNELS=0 GRAPHRUNNER_FAST_LAUNCH=0 python3 scripts/bench_decode.py \
+    --modes FULL PIECEWISE --batch-sizes 1 32 --warmup 3 --steps 15 --async-scheduling off --no-hf --no-plot \
+    --json "$OUT/decode_before.json"
+  step decode-sync 100 python3 scripts/bench_decode.py --modes FULL PIECEWISE --batch-sizes 1 32 --warmup 3 --steps 15 \
+    --async-scheduling off --no-hf --no-plot --json "$OUT/decode_sync.json"
+  step decode-async 100 python3 scripts/bench_decode.py --modes FULL PIECEWISE --batch-sizes 1 32 --warmup 3 --steps 15 \
+    --async-scheduling on --no-hf --no-plot --json "$OUT/decode_async.json"
+fi
+if [[ $STAGE == s3goals ]]; then
+  step decode 200 python3 scripts/bench_decode.py --modes FULL PIECEWISE --warmup 3 --steps 15 --hf-max-batch 32 \
+    --json "$OUT/decode.json" --plot "$OUT/decode.png"
+  step capture 120 python3 scripts/bench_capture.py --cold --gpu-memory-utilization 0.95 --serve 256 --json "$OUT/capture.json"
+  step throughput 90 python3 scripts/bench_throughput.py --json "$OUT/throughput.json"
+  step profile-full 60 python3 scripts/profile_step.py --mode FULL --batch-size 1 --host-profile
+fi
+if [[ $STAGE == s3tests ]]; then
+  step cuda-tests 200 python3 -m pytest -q -p no:cacheprovider -m cuda -rA tests --deselect tests/test_pipeline.py
+  step kernel-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_fused_kernels.py \
+    tests/test_small_batch_kernels.py tests/test_fast_launch.py
 fi
 if [[ $STAGE == goals ]]; then
   step decode 150 python3 scripts/bench_decode.py --modes FULL PIECEWISE --warmup 3 --steps 15 --hf-max-batch 32 \
