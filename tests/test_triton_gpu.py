@@ -207,3 +207,44 @@ def test_fast_launch_matches_triton_launch(num_splits, monkeypatch):
     torch.cuda.synchronize()
     assert len(ua._attention_launch.compiled) == keys + 1
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+def test_in_kernel_split_merge_is_race_free_under_repetition(monkeypatch):
+    """The last-arrival merge (attention/kernels/unified_attention.py, FUSED_MERGE) read against
+    the separate merge kernel, 200 launches in a row and inside a replayed graph: a missing
+    release/acquire between the split programs would show as a mismatch in some launch."""
+    from attention.kernels import unified_attention as ua
+    batch = Batch(8, 8, max_blocks=64, num_blocks=8 * 64 + 4, block_size=16)
+    batch.fill([1] * 8, [1000 - 60 * i for i in range(8)], seed=7)
+    write_kv(batch.key, batch.value, batch.kv_cache, batch.slot_mapping)
+
+    def attend(out):
+        unified_attention(batch.query, batch.kv_cache, out, batch.query_start_loc, batch.seq_lens,
+                          batch.block_table, batch.scale, num_splits=16)
+
+    monkeypatch.setattr(ua, "FUSED_MERGE", False)
+    expected = torch.empty_like(batch.out)
+    attend(expected)
+    monkeypatch.setattr(ua, "FUSED_MERGE", True)
+    outs = [torch.full_like(batch.out, float("nan")) for _ in range(200)]
+    for out in outs:
+        attend(out)
+    torch.cuda.synchronize()
+    worst = max((out.float() - expected.float()).abs().max().item() for out in outs)
+    assert worst < 2e-2, worst                        # bf16 rounding of two merge orders, never garbage
+    assert int(ua._tickets[torch.device("cuda", 0)].abs().sum()) == 0
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph_out = torch.full_like(batch.out, float("nan"))
+    with torch.cuda.stream(stream):
+        attend(graph_out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attend(graph_out)
+    for _ in range(50):
+        graph_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert (graph_out.float() - expected.float()).abs().max().item() < 2e-2
