@@ -150,14 +150,14 @@ def attention_kernel(
             arrived = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")
             if arrived == num_splits - 1:
                 tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
-                row_parts = (tokens * num_q_heads + heads) * num_splits
+                base = (tokens * num_q_heads + heads) * num_splits
                 m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
                 l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
                 o_all = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-                for split_i in range(0, num_splits):
-                    m_s = tl.load(part_max_ptr + row_parts + split_i, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-                    l_s = tl.load(part_sum_ptr + row_parts + split_i, mask=row_ok, other=0.0, cache_modifier=".cg")
-                    a_s = tl.load(part_acc_ptr + (row_parts + split_i)[:, None] * D_PAD + dims[None, :],
+                for s in range(0, num_splits):
+                    m_s = tl.load(part_max_ptr + base + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+                    l_s = tl.load(part_sum_ptr + base + s, mask=row_ok, other=0.0, cache_modifier=".cg")
+                    a_s = tl.load(part_acc_ptr + (base + s)[:, None] * D_PAD + dims[None, :],
                                   mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
                     m_new = tl.maximum(m_all, m_s)
                     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # empty so far: weights 0
