@@ -14,8 +14,7 @@
 #                 kernels and the fast eager launch off (before/after in one run);
 #        s3check: GPU tests, linear micro-benchmarks, FULL profile, decode FULL/PIECEWISE with this
 #                 session's changes off, then on with async scheduling off and on, in one run; s3goals: the goal figures (decode per mode with HF, cold
-#                 capture + serving at 0.95, throughput, FULL host profile); s3tests: the GPU tests;
-#        s3merge: the GPU tests, then decode with the in-kernel split merge on and off.
+#                 capture + serving at 0.95, throughput, FULL host profile); s3tests: the GPU tests.
 # Logs go to $OUT/suite.log, figures to $OUT/*.json and $OUT/*.png; a short table comes last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -118,17 +117,10 @@ if [[ $STAGE == s3goals ]]; then
   step throughput 90 python3 scripts/bench_throughput.py --json "$OUT/throughput.json"
   step profile-full 60 python3 scripts/profile_step.py --mode FULL --batch-size 1 --host-profile
 fi
-if [[ $STAGE == s3tests || $STAGE == s3merge ]]; then
+if [[ $STAGE == s3tests ]]; then
   step cuda-tests 200 python3 -m pytest -q -p no:cacheprovider -m cuda -rA tests --deselect tests/test_pipeline.py
   step kernel-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_fused_kernels.py \
     tests/test_small_batch_kernels.py tests/test_fast_launch.py
-fi
-if [[ $STAGE == s3merge ]]; then  # the in-kernel split merge: decode with it on and off, same run
-  step decode-merge 100 python3 scripts/bench_decode.py --modes FULL PIECEWISE --batch-sizes 1 32 --warmup 3 --steps 15 \
-    --no-hf --no-plot --json "$OUT/decode_merge.json"
-  step decode-nomerge 100 env GRAPHRUNNER_FUSED_MERGE=0 python3 scripts/bench_decode.py --modes FULL --batch-sizes 1 32 \
-    --warmup 3 --steps 15 --no-hf --no-plot --json "$OUT/decode_nomerge.json"
-  step profile-full 60 python3 scripts/profile_step.py --mode FULL --batch-size 1
 fi
 if [[ $STAGE == goals ]]; then
   step decode 150 python3 scripts/bench_decode.py --modes FULL PIECEWISE --warmup 3 --steps 15 --hf-max-batch 32 \

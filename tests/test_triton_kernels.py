@@ -186,23 +186,6 @@ def test_split_kv_decode_matches_single_pass(num_splits):
     torch.testing.assert_close(split, single, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("num_splits", [2, 3])
-def test_in_kernel_split_merge_matches_the_merge_kernel_and_resets_its_tickets(num_splits, monkeypatch):
-    """The last split program of each (q block, KV head) merges the partials (no merge launch);
-    same result as the separate merge kernel, padded rows zeroed, and every arrival ticket back at
-    zero for the next launch or graph replay."""
-    from attention.kernels import unified_attention as ua
-    b = make_batch([1, 4, 1], [70, 33, 5], num_q_heads=6, num_kv_heads=2, head_dim=16, block_size=16,
-                   pad_tokens=2, pad_reqs=1, seed=8)
-    fused = run_attention(b, num_splits=num_splits)
-    tickets = ua._tickets[torch.device(DEVICE)]
-    assert int(tickets.abs().sum()) == 0
-    monkeypatch.setattr(ua, "FUSED_MERGE", False)
-    separate = run_attention(b, num_splits=num_splits)
-    torch.testing.assert_close(fused, separate, atol=1e-6, rtol=1e-6)
-    check(b, fused, 1e-5)
-
-
 def test_head_dim_not_power_of_two():
     b = make_batch([3, 1], [10, 20], num_q_heads=2, num_kv_heads=1, head_dim=24, block_size=16, seed=5)
     check(b, run_attention(b, num_splits=1), 1e-5)

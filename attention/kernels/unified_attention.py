@@ -15,10 +15,8 @@ Layout of the work (the vLLM design):
   length. Programs that land past the last request zero the padded token rows of `out`, so
   those rows are finite (0) rather than stale.
 - Split-KV (flash decoding): with num_splits > 1 each program takes a contiguous share of the
-  KV tiles its q block needs and writes (max, sum, unnormalised acc) to scratch; the last split
-  program of each (q block, KV head) to finish, counted by an atomic ticket, merges them in the
-  same launch (FUSED_MERGE; a separate merge kernel otherwise). This buys parallelism for small
-  batches with long contexts without a second launch per layer.
+  KV tiles its q block needs and writes (max, sum, unnormalised acc) to scratch; a second kernel
+  merges the splits. This buys parallelism for small batches with long contexts.
 Scores are kept in the log2 domain (scale * log2(e) folded in) so the softmax uses exp2.
 DOT_FP32 (CPU only) upcasts the dot operands: Triton's interpreter multiplies bf16 tensors as their
 raw 16-bit patterns (numpy has no bf16), so interpreted bf16 dots are wrong without it.
@@ -27,7 +25,6 @@ raw 16-bit patterns (numpy has no bf16), so interpreted bf16 dots are wrong with
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -41,13 +38,13 @@ LOG2E = 1.4426950408889634
 @triton.jit(do_not_specialize=["num_tokens", "num_reqs", "num_splits"])
 def attention_kernel(
     q_ptr, cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, block_table_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr, ticket_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr,
     scale_log2, num_tokens, num_reqs, num_q_heads, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_b, stride_c_s, stride_c_h, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, REQ_CHUNK: tl.constexpr,
-    SPLIT_KV: tl.constexpr, DOT_FP32: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    SPLIT_KV: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -72,9 +69,8 @@ def attention_kernel(
     dim_ok = dims < HEAD_DIM
 
     if req >= num_reqs:
-        # Past the last request: zero padded token rows (with separate-kernel splits, the merge
-        # kernel does it; every split program of this block writes the same zeros otherwise).
-        if FUSED_MERGE or not SPLIT_KV:
+        # Past the last request: zero padded token rows (with splits, the merge kernel does it).
+        if not SPLIT_KV:
             tokens = (q_start // BLOCK_Q + local_block) * BLOCK_Q + q_off
             pad_ok = (q_off < BLOCK_Q) & (tokens >= q_start) & (tokens < num_tokens)
             dst = out_ptr + tokens.to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
@@ -140,35 +136,6 @@ def attention_kernel(
         tl.store(part_max_ptr + part, m_i, mask=row_ok)
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
         tl.store(part_acc_ptr + part[:, None] * D_PAD + dims[None, :], acc, mask=row_ok[:, None])
-        if FUSED_MERGE:
-            # The last split program of this (q block, KV head) to finish merges all splits, so no
-            # merge launch follows. Every thread's partials are stored before the barrier; the
-            # ticket's acq_rel atomic publishes them to, and acquires the others' for, the last
-            # arrival, which reads them past L1 (.cg) and resets the ticket for the next launch.
-            tl.debug_barrier()
-            ticket = ticket_ptr + q_block * tl.num_programs(1) + kv_head
-            arrived = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:
-                tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
-                base = (tokens * num_q_heads + heads) * num_splits
-                m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-                l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
-                o_all = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-                for s in range(0, num_splits):
-                    m_s = tl.load(part_max_ptr + base + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-                    l_s = tl.load(part_sum_ptr + base + s, mask=row_ok, other=0.0, cache_modifier=".cg")
-                    a_s = tl.load(part_acc_ptr + (base + s)[:, None] * D_PAD + dims[None, :],
-                                  mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-                    m_new = tl.maximum(m_all, m_s)
-                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # empty so far: weights 0
-                    alpha = tl.math.exp2(m_all - m_ref)
-                    beta = tl.math.exp2(m_s - m_ref)
-                    l_all = l_all * alpha + l_s * beta
-                    o_all = o_all * alpha[:, None] + a_s * beta[:, None]
-                    m_all = m_new
-                result = o_all / tl.where(l_all > 0, l_all, 1.0)[:, None]
-                dst = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
-                tl.store(dst, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits"])
@@ -262,32 +229,6 @@ def _constexprs(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: 
                 DOT_FP32=device.type == "cpu", **launch_config(device))
 
 
-MERGE_TICKETS = 1 << 16
-"""Arrival counters for the in-kernel split merge, one per (q block, KV head) program column:
-64K int32 (256 KiB) per device covers every capture size; a launch that needs more falls back to
-the separate merge kernel."""
-_tickets: dict[torch.device, torch.Tensor] = {}
-
-
-def _merge_tickets(device: torch.device, needed: int) -> torch.Tensor | None:
-    """The device's zeroed ticket counters (each launch leaves them at zero again), or None for the
-    separate merge kernel: GRAPHRUNNER_FUSED_MERGE=0, too many programs, or no buffer yet while a
-    CUDA graph is being captured (a buffer made there would live in the graph's pool). The engine's
-    warm-up runs eagerly before any capture, so the buffer exists by then."""
-    if not FUSED_MERGE or needed > MERGE_TICKETS:
-        return None
-    tickets = _tickets.get(device)
-    if tickets is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        tickets = _tickets[device] = torch.zeros(MERGE_TICKETS, dtype=torch.int32, device=device)
-    return tickets
-
-
-FUSED_MERGE = os.environ.get("GRAPHRUNNER_FUSED_MERGE", "1") != "0"
-"""Merge split-KV partials inside the attention kernel (the last split program of a block merges);
-0 = a separate merge kernel launch, as before."""
-
 _attention_launch = FastLaunch(attention_kernel)
 _merge_launch = FastLaunch(merge_splits_kernel)
 
@@ -328,29 +269,26 @@ def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Te
     constexprs = _constexprs(num_q_heads, num_kv_heads, head_dim, cache_shape[2], device)
     d_pad = constexprs["D_PAD"]
     grid = (-(-num_tokens // constexprs["BLOCK_Q"]) + num_reqs, num_kv_heads, num_splits)
-    tickets = None
     if num_splits > 1:
         part_acc = torch.empty(num_tokens, num_q_heads, num_splits, d_pad, dtype=torch.float32, device=device)
         part_max = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=device)
         part_sum = torch.empty_like(part_max)
-        tickets = _merge_tickets(device, grid[0] * num_kv_heads)
     else:
         part_acc = part_max = part_sum = out          # unused
-    fused_merge = tickets is not None
     c = constexprs
     device_index = device.index or 0
     # Every parameter positionally, constexprs included, in signature order (FastLaunch's contract).
     _attention_launch(
         grid, query, kv_cache, out, query_start_loc, seq_lens, block_table,
-        part_acc, part_max, part_sum, tickets if fused_merge else seq_lens,
+        part_acc, part_max, part_sum,
         scale * LOG2E, num_tokens, num_reqs, num_q_heads, num_splits,
         q_stride[0], q_stride[1], out_stride[0], out_stride[1],
         cache_stride[0], cache_stride[1], cache_stride[2], cache_stride[3], table_stride[0],
         c["GROUP"], c["HEAD_DIM"], d_pad, c["BLOCK_SIZE"], c["BLOCK_M"], c["BLOCK_Q"], c["BLOCK_N"],
-        c["REQ_CHUNK"], num_splits > 1, c["DOT_FP32"], fused_merge,
+        c["REQ_CHUNK"], num_splits > 1, c["DOT_FP32"],
         device_index=device_index, num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
-    if num_splits > 1 and not fused_merge:
+    if num_splits > 1:
         _merge_launch(
             (num_tokens, num_q_heads), out, query_start_loc, part_acc, part_max, part_sum,
             num_reqs, num_q_heads, num_splits, out_stride[0], out_stride[1],
