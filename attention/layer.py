@@ -31,24 +31,30 @@ class Attention(nn.Module):
         When the backend lets the layer write the cache (`kv_written_by_layer`), one fused kernel
         rotates q and k and writes k/v at the step's slots, before the break point: inside the
         graph segment, so PIECEWISE's eager part is the attention launch alone."""
-        context = get_forward_context()
         rotated = None
-        if context.kv_caches is not None and context.attn_backend.kv_written_by_layer:
-            rotated = self.rotary.rotate_and_cache(positions, q, k, v, context.kv_caches[self.cache_index],
-                                                   context.attn_metadata.slot_mapping)
+        cache = self.cache_written_here()
+        if cache is not None:
+            rotated = self.rotary.rotate_and_cache(positions, q, k, v, *cache)
         if rotated is not None:
             q, k, v = rotated, None, None
         else:
             q, k = self.rotary(positions, q, k)
+        return self.attend_rotated(q, k, v)
+
+    def cache_written_here(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(this layer's kv_cache, the step's slot_mapping) when the layer, not the backend, writes
+        the KV cache (a `kv_written_by_layer` backend, and a cache: not the profile run); else None."""
+        context = get_forward_context()
+        if context.kv_caches is None or not context.attn_backend.kv_written_by_layer:
+            return None
+        return context.kv_caches[self.cache_index], context.attn_metadata.slot_mapping
+
+    def attend_rotated(self, q: torch.Tensor, k: torch.Tensor | None = None,
+                       v: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention op on a rotated q [T, Hq, D] (k/v None: already in this layer's cache,
+        written by `rotate_and_cache` or models/small_batch_kernels.norm_qkv_rope_cache) -> [T, Hq * D]."""
         out = torch.empty_like(q)
         attention_op(self, q, k, v, out=out)
-        return out.view(q.shape[0], -1)
-
-    def forward_rotated(self, q: torch.Tensor) -> torch.Tensor:
-        """The attention alone, for a q [T, Hq, D] already rotated whose k/v the caller has already
-        written into this layer's cache (models/small_batch_kernels.norm_qkv_rope_cache) -> [T, Hq * D]."""
-        out = torch.empty_like(q)
-        attention_op(self, q, None, None, out=out)
         return out.view(q.shape[0], -1)
 
 

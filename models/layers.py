@@ -3,7 +3,7 @@
 Each block has a torch `reference` (CPU, and the definition of correct) and, on CUDA, one
 fused Triton kernel (models/fused_kernels.py): fewer launches per layer is what a small
 model's graph replay is bound by. GRAPHRUNNER_FUSED_OPS=0 turns the kernels off (benchmarks
-measure before/after in one run). For a few rows (decode), DecoderLayer goes further through
+measure before/after in one run). For one decode row, DecoderLayer goes further through
 models/small_batch_kernels.py (`small_batch`: the norms fused into the projections that follow
 them, where that is measured to win); GRAPHRUNNER_SMALL_BATCH_KERNELS=0 turns only that off.
 

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attention.forward_context import get_forward_context
 from attention.layer import Attention
 from models.hf_config import ModelSpec
 from models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, fits_small_batch, small_batch
@@ -55,15 +54,20 @@ class SelfAttention(nn.Module):
 
     def cache_written_here(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(this layer's kv_cache, slot_mapping) when the step's one row may take
-        `norm_qkv_rope_cache`: the attention layer would itself rotate and write the cache (a KV
-        cache, not the profile run; a backend with `kv_written_by_layer`; RoPE over the whole
-        head_dim), and no qk_norm sits between the projection and RoPE. Else None."""
+        `norm_qkv_rope_cache`: the attention layer would itself rotate and write the cache
+        (`Attention.cache_written_here`, RoPE over the whole head_dim), and no qk_norm sits between
+        the projection and RoPE. Else None."""
         if hidden.shape[0] != 1 or self.qk_norm or self.attn.rotary.rotary_dim != self.head_dim:
             return None
-        context = get_forward_context()
-        if context.kv_caches is None or not context.attn_backend.kv_written_by_layer:
-            return None
-        return context.kv_caches[self.attn.cache_index], context.attn_metadata.slot_mapping
+        return self.attn.cache_written_here()
+
+
+def add_norm(norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | None):
+    """(norm(hidden + residual), hidden + residual); the first layer (residual None) starts the
+    residual stream with its input."""
+    if residual is None:
+        return norm(hidden), hidden
+    return norm(hidden, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -78,10 +82,7 @@ class DecoderLayer(nn.Module):
         kernels = small_batch(hidden)
         if kernels is not None:
             return self.forward_small_batch(kernels, positions, hidden, residual)
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = add_norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
@@ -97,20 +98,18 @@ class DecoderLayer(nn.Module):
         residual None on the first layer."""
         attn, mlp = self.self_attn, self.mlp
         norm, proj = self.input_layernorm, attn.qkv_proj
-        cache = attn.cache_written_here(hidden) if fits_small_batch(proj) else None
+        fused_qkv = fits_small_batch(proj)
+        cache = attn.cache_written_here(hidden) if fused_qkv else None
         if cache is not None:   # one row: norm + qkv + RoPE + KV write in one launch, then attention
             q, residual = kernels.norm_qkv_rope_cache(
                 hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias, positions,
                 attn.attn.rotary.cos_sin_cache, cache[0], cache[1], attn.num_heads, attn.num_kv_heads, attn.head_dim)
-            hidden = attn.attn.forward_rotated(q)
+            hidden = attn.attn.attend_rotated(q)
         else:
-            if fits_small_batch(proj):
+            if fused_qkv:
                 qkv, residual = kernels.norm_linear(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias)
             else:
-                if residual is None:
-                    residual, hidden = hidden, norm(hidden)
-                else:
-                    hidden, residual = norm(hidden, residual)
+                hidden, residual = add_norm(norm, hidden, residual)
                 qkv = proj(hidden)
             hidden = attn.attend(positions, qkv)
         proj = attn.o_proj

@@ -64,6 +64,31 @@ def _load_rows(x_ptr, res_ptr, res_out_ptr, offs_m, offs_k, mask, stride_xm, str
 
 
 @triton.jit
+def _rms_inv(x_ptr, res_ptr, res_out_ptr, offs_m, m_mask, stride_xm, stride_xk, stride_rm, stride_rk, K, eps,
+             STORE_RESIDUAL, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / rms of each row of x (+ residual), in a pass of its own over K (the rows are at most a
+    few thousand elements and sit in L2); residual_out is stored on the way when STORE_RESIDUAL."""
+    sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = m_mask[:, None] & (offs_k < K)[None, :]
+        x = _load_rows(x_ptr, res_ptr, res_out_ptr, offs_m, offs_k, mask, stride_xm, stride_xk,
+                       stride_rm, stride_rk, K, STORE_RESIDUAL, HAS_RESIDUAL)
+        x32 = x.to(tl.float32)
+        sum_sq += tl.sum(x32 * x32, axis=1)
+    return tl.rsqrt(sum_sq / K + eps)
+
+
+@triton.jit
+def _normalise(x, inv, norm_w_ptr, offs_k, k_mask):
+    """RMSNorm's rounding points: x * inv in fp32, to the model dtype, times the weight, to the
+    model dtype (models.layers.RMSNorm, `_add_rms_norm_kernel`)."""
+    nw = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0)
+    h = (x.to(tl.float32) * inv[:, None]).to(x.dtype).to(tl.float32) * nw.to(tl.float32)[None, :]
+    return h.to(x.dtype)
+
+
+@triton.jit
 def _small_rows_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
                        M, N, K, eps, stride_xm, stride_xk, stride_rm, stride_rk,
                        HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -81,15 +106,8 @@ def _small_rows_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, out_ptr, res_ou
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * K
 
     if HAS_NORM and not ONE_TILE:  # pass 1: each row's rms (and residual_out, from column tile 0 only)
-        sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask = m_mask[:, None] & (offs_k < K)[None, :]
-            x = _load_rows(x_ptr, res_ptr, res_out_ptr, offs_m, offs_k, mask, stride_xm, stride_xk,
-                           stride_rm, stride_rk, K, pid_n == 0, HAS_RESIDUAL)
-            x32 = x.to(tl.float32)
-            sum_sq += tl.sum(x32 * x32, axis=1)
-        inv = tl.rsqrt(sum_sq / K + eps)
+        inv = _rms_inv(x_ptr, res_ptr, res_out_ptr, offs_m, m_mask, stride_xm, stride_xk, stride_rm, stride_rk,
+                       K, eps, pid_n == 0, HAS_RESIDUAL, BLOCK_M, BLOCK_K)
 
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -114,9 +132,7 @@ def _small_rows_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, out_ptr, res_ou
             x = _load_rows(x_ptr, res_ptr, res_out_ptr, offs_m, offs_k, x_mask, stride_xm, stride_xk,
                            stride_rm, stride_rk, K, False, HAS_RESIDUAL)
         if HAS_NORM:
-            nw = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0)
-            h = (x.to(tl.float32) * inv[:, None]).to(x.dtype).to(tl.float32) * nw.to(tl.float32)[None, :]
-            x = h.to(x.dtype)
+            x = _normalise(x, inv, norm_w_ptr, offs_k, k_mask)
         if BLOCK_M == 1:
             xf = x.to(tl.float32)  # [1, BLOCK_K] against [BLOCK_N, BLOCK_K]
             acc += w.to(tl.float32) * xf
@@ -271,15 +287,8 @@ def _norm_qkv_rope_cache_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, q_out_
     m_mask = offs_m < 1
 
     if not ONE_TILE:   # pass 1: the row's rms (and residual_out, from program 0 only)
-        sum_sq = tl.zeros([1], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask = m_mask[:, None] & (offs_k < K)[None, :]
-            x = _load_rows(x_ptr, res_ptr, res_out_ptr, offs_m, offs_k, mask, 0, stride_xk,
-                           0, stride_rk, K, pid == 0, HAS_RESIDUAL)
-            x32 = x.to(tl.float32)
-            sum_sq += tl.sum(x32 * x32, axis=1)
-        inv = tl.rsqrt(sum_sq / K + eps)
+        inv = _rms_inv(x_ptr, res_ptr, res_out_ptr, offs_m, m_mask, 0, stride_xk, 0, stride_rk,
+                       K, eps, pid == 0, HAS_RESIDUAL, 1, BLOCK_K)
 
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_hi = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -298,9 +307,7 @@ def _norm_qkv_rope_cache_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, q_out_
         else:
             x = _load_rows(x_ptr, res_ptr, res_out_ptr, offs_m, offs_k, x_mask, 0, stride_xk,
                            0, stride_rk, K, False, HAS_RESIDUAL)
-        nw = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0)
-        h = (x.to(tl.float32) * inv[:, None]).to(x.dtype).to(tl.float32) * nw.to(tl.float32)[None, :]
-        xf = h.to(x.dtype).to(tl.float32)
+        xf = _normalise(x, inv, norm_w_ptr, offs_k, k_mask).to(tl.float32)
         acc += w.to(tl.float32) * xf
         acc_hi += w_h.to(tl.float32) * xf
 

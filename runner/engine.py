@@ -83,10 +83,8 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.model.dtype, self.spec, self.device)
         self.max_model_len = resolve_max_model_len(self.spec, config.model.max_model_len)
         self.async_scheduling = config.resolve_async_scheduling(self.device.type)
-        """Launch step n+1 before waiting for step n's tokens (see `_step_async`)."""
-        if self.async_scheduling and config.parallel.pipeline_parallel_size > 1:
-            raise ValueError("async_scheduling is not supported with pipeline parallelism "
-                             f"(pipeline_parallel_size={config.parallel.pipeline_parallel_size})")
+        """Launch step n+1 before waiting for step n's tokens (see `_step_async`). EngineConfig refuses
+        it with pipeline parallelism, and auto resolves to off there."""
         self.tokenizer = load_tokenizer(config.model.tokenizer or path)
         self.executor = self._make_executor(path)
         try:

@@ -288,7 +288,8 @@ class ModelRunner:
 
     def _sampling_logits(self, reqs: list[ScheduledRequest], rows: list[int], hidden: torch.Tensor,
                          common, float32: bool = True) -> torch.Tensor:
-        """`sample`'s logits on the sampling rows, with the row indices uploaded without a sync."""
+        """The logits of the sampling rows (`sample`, `sample_async`); row indices, when needed, are
+        uploaded without a host sync."""
         if common.uniform_decode and len(rows) == len(reqs):  # row i's one token is hidden row i: no gather
             return self.model.compute_logits(hidden[:len(reqs)], float32)
         last_token = common.query_start_loc_cpu[torch.tensor(rows) + 1].long() - 1
@@ -354,11 +355,7 @@ class ModelRunner:
             return ModelRunnerOutput({})
         params = [reqs[i].sampling_params for i in rows]
         greedy = all(p.temperature == 0.0 and p.logprobs is None for p in params)
-        if common.uniform_decode and len(rows) == len(reqs):  # row i's one token is hidden row i: no gather
-            logits = self.model.compute_logits(hidden[:len(reqs)], float32=not greedy)
-        else:
-            last_token = common.query_start_loc_cpu[torch.tensor(rows) + 1].long() - 1
-            logits = self.model.compute_logits(hidden[last_token.to(self.device)], float32=not greedy)
+        logits = self._sampling_logits(reqs, rows, hidden, common, float32=not greedy)
         if greedy:
             token_ids = logits.argmax(dim=-1).tolist()  # the common greedy case: no sampling metadata
             return ModelRunnerOutput(dict(zip([reqs[i].request_id for i in rows], token_ids)))

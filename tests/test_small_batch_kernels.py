@@ -83,17 +83,9 @@ def _check_gate_up(rows, k, n, dtype, residual, bias, strided=False):
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("k, n", SMALL_SHAPES)
 @pytest.mark.parametrize("rows", ROWS)
-def test_norm_linear(rows, k, n, residual, bias, dtype):
-    _check_norm_linear(rows, k, n, dtype, residual, bias)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("k, n", SMALL_SHAPES)
-@pytest.mark.parametrize("rows", ROWS)
-def test_norm_gate_up_silu(rows, k, n, residual, bias, dtype):
-    _check_gate_up(rows, k, n, dtype, residual, bias)
+@pytest.mark.parametrize("check", [_check_norm_linear, _check_gate_up], ids=["norm_linear", "norm_gate_up_silu"])
+def test_norm_fused_projections(check, rows, k, n, residual, bias, dtype):
+    check(rows, k, n, dtype, residual, bias)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -374,7 +366,7 @@ def test_decoder_layer_fuses_rope_and_cache_into_qkv_only_where_it_applies(tmp_p
                 return layer_fn(), backend.calls
 
         if rows > 1:   # the fake backend attends one row only: check the dispatch alone
-            monkeypatch.setattr(attn.attn, "forward_rotated", lambda q: pytest.fail("fused path with 2 rows"))
+            monkeypatch.setattr(attn.attn, "attend_rotated", lambda q, k=None, v=None: pytest.fail("fused path with 2 rows"))
             monkeypatch.setattr(attn.attn, "forward", lambda positions, q, k, v: q.flatten(1))
         if case == "partial_rotary":   # the cos/sin table stays whole: check the decision alone
             monkeypatch.setattr(model.model.rotary_emb, "rotary_dim", attn.head_dim // 2)
