@@ -208,7 +208,9 @@ def block_sizes(rows: int, n: int, k: int, dtype: torch.dtype, device: torch.dev
     return block_m, block_n, block_k, 4
 
 
-def _launch(x, residual, norm_weight, eps, weight, bias, gated: bool):
+def _launch(x, residual, norm_weight, eps, weight, bias, gated: bool, config: tuple | None = None):
+    """`config` = (BLOCK_N, BLOCK_K, num_warps, num_stages) overrides block_sizes for one row
+    (scripts/bench_gemv_configs.py sweeps it)."""
     if x.dim() != 2:
         raise ValueError(f"expected 2-D x, got {tuple(x.shape)}")
     rows, k = x.shape
@@ -227,6 +229,11 @@ def _launch(x, residual, norm_weight, eps, weight, bias, gated: bool):
             raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
         res_out = torch.empty((rows, k), dtype=x.dtype, device=x.device)
     block_m, block_n, block_k, warps = block_sizes(rows, n, k, x.dtype, x.device, gated)
+    stages = 3   # Triton's default
+    if config is not None:
+        if rows != 1:
+            raise ValueError("a config override is for one row")
+        block_n, block_k, warps, stages = config
     _small_rows_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight,
         weight, bias if bias is not None else weight, out, res_out if res_out is not None else out,
@@ -234,7 +241,7 @@ def _launch(x, residual, norm_weight, eps, weight, bias, gated: bool):
         residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
         HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         GATED=gated, IEEE=x.dtype == torch.float32, ONE_TILE=k <= block_k,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return out, (res_out if residual is not None else x)
 
 

@@ -15,6 +15,7 @@
 #        s3check: GPU tests, linear micro-benchmarks, FULL profile, decode FULL/PIECEWISE with this
 #                 session's changes off, then on with async scheduling off and on, in one run; s3goals: the goal figures (decode per mode with HF, cold
 #                 capture + serving at 0.95, throughput, FULL host profile); s3tests: the GPU tests.
+#        s4probe: one-row GEMV tile sweep (bench_gemv_configs), PIECEWISE host profile, 1B FULL profile.
 # Logs go to $OUT/suite.log, figures to $OUT/*.json and $OUT/*.png; a short table comes last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -121,6 +122,11 @@ if [[ $STAGE == s3tests ]]; then
   step cuda-tests 200 python3 -m pytest -q -p no:cacheprovider -m cuda -rA tests --deselect tests/test_pipeline.py
   step kernel-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_fused_kernels.py \
     tests/test_small_batch_kernels.py tests/test_fast_launch.py
+fi
+if [[ $STAGE == s4probe ]]; then  # session 4: data for the GEMV tiles, the PIECEWISE host path, the 1B step
+  step gemv 240 python3 scripts/bench_gemv_configs.py --json "$OUT/gemv.json"
+  step profile-pw 60 python3 scripts/profile_step.py --mode PIECEWISE --batch-size 1 --host-profile --top 40
+  step profile-1b 60 python3 scripts/profile_step.py --shape llama-3.2-1b --mode FULL --batch-size 1 --top 30
 fi
 if [[ $STAGE == goals ]]; then
   step decode 150 python3 scripts/bench_decode.py --modes FULL PIECEWISE --warmup 3 --steps 15 --hf-max-batch 32 \
