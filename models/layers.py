@@ -45,15 +45,9 @@ SMALL_BATCH_MAX_ROWS = 1
 Measured on an H100 (scripts/bench_linear.py, bf16, in a CUDA graph, cold weights; docs/PERFORMANCE.md):
 at 1 row the fused kernels beat cuBLAS + the separate norm / SiLU*mul kernels on small weights
 (SmolLM2 layer 20.7 -> 11.9 us), but from 2 rows their tl.dot path loses to cuBLAS at every shape
-(SmolLM2 layer 21.5 -> 25.0 us at 2 rows, 21.7 -> 30.8 at 32)."""
-
-SMALL_BATCH_MAX_WEIGHT_BYTES = 16 << 20
-"""A projection takes the small-batch kernel only if its weight is at most this big. Same
-measurement: the one-row kernel wins up to ~12 MB (Llama-3.2-1B qkv 9.1 -> 7.4 us, o 6.3 -> 5.0)
-and loses on large weights, where cuBLAS streams closer to the bandwidth (Llama-3.2-1B gate_up
-67 MB 29.3 -> 30.3, Llama-3-8B gate_up 235 MB 89 -> 129 us). Each projection of a layer is
-decided on its own (`fits_small_batch`)."""
-
+(SmolLM2 layer 21.5 -> 25.0 us at 2 rows, 21.7 -> 30.8 at 32). With the one-row tiles measured in
+session 4 (small_batch_kernels.ONE_ROW_TILES) the one-row GEMV also beats cuBLAS on large
+weights, so every projection of a one-row step takes it (session 3 kept weights > 16 MiB on cuBLAS)."""
 
 @functools.cache
 def _small_batch_kernels():
@@ -74,12 +68,6 @@ def small_batch(x: torch.Tensor):
     if not x.is_cuda or not 0 < x.shape[0] <= SMALL_BATCH_MAX_ROWS:
         return None
     return _small_batch_kernels()
-
-
-def fits_small_batch(layer: nn.Linear) -> bool:
-    """Whether `layer` runs through the small-batch kernel (see SMALL_BATCH_MAX_WEIGHT_BYTES)."""
-    weight = layer.weight
-    return weight.numel() * weight.element_size() <= SMALL_BATCH_MAX_WEIGHT_BYTES
 
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from torch import nn
 
 from attention.layer import Attention
 from models.hf_config import ModelSpec
-from models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, fits_small_batch, small_batch
+from models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, small_batch
 
 
 @dataclass
@@ -88,40 +88,28 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
     def forward_small_batch(self, kernels, positions, hidden, residual):
-        """The same layer for a decode row in fewer launches (models/small_batch_kernels.py): each
-        projection whose weight `fits_small_batch` takes its kernel, with input_layernorm fused
-        into qkv_proj and post_attention_layernorm + SiLU*mul into gate_up_proj; the others run as
-        in `forward`. Where the attention layer would rotate q/k and write the KV cache itself
-        (`SelfAttention.cache_written_here`: one row, no qk_norm, full rotary, a cache-writing
-        backend), RoPE and the KV write are fused into the qkv kernel too (`norm_qkv_rope_cache`)
-        and only the attention op runs after it. Same contract: (hidden, residual) in and out,
-        residual None on the first layer."""
+        """The same layer for a decode row in fewer launches (models/small_batch_kernels.py):
+        input_layernorm fused into qkv_proj, post_attention_layernorm + SiLU*mul into gate_up_proj,
+        one-row GEMVs for o_proj and down_proj. Where the attention layer would rotate q/k and write
+        the KV cache itself (`SelfAttention.cache_written_here`: one row, no qk_norm, full rotary, a
+        cache-writing backend), RoPE and the KV write are fused into the qkv kernel too
+        (`norm_qkv_rope_cache`) and only the attention op runs after it. Same contract: (hidden,
+        residual) in and out, residual None on the first layer."""
         attn, mlp = self.self_attn, self.mlp
         norm, proj = self.input_layernorm, attn.qkv_proj
-        fused_qkv = fits_small_batch(proj)
-        cache = attn.cache_written_here(hidden) if fused_qkv else None
+        cache = attn.cache_written_here(hidden)
         if cache is not None:   # one row: norm + qkv + RoPE + KV write in one launch, then attention
             q, residual = kernels.norm_qkv_rope_cache(
                 hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias, positions,
                 attn.attn.rotary.cos_sin_cache, cache[0], cache[1], attn.num_heads, attn.num_kv_heads, attn.head_dim)
             hidden = attn.attn.attend_rotated(q)
         else:
-            if fused_qkv:
-                qkv, residual = kernels.norm_linear(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias)
-            else:
-                hidden, residual = add_norm(norm, hidden, residual)
-                qkv = proj(hidden)
+            qkv, residual = kernels.norm_linear(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias)
             hidden = attn.attend(positions, qkv)
-        proj = attn.o_proj
-        hidden = kernels.linear(hidden, proj.weight, proj.bias) if fits_small_batch(proj) else proj(hidden)
+        hidden = kernels.linear(hidden, attn.o_proj.weight, attn.o_proj.bias)
         norm, proj = self.post_attention_layernorm, mlp.gate_up_proj
-        if fits_small_batch(proj):
-            act, residual = kernels.norm_gate_up_silu(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias)
-        else:
-            hidden, residual = norm(hidden, residual)
-            act = mlp.activate(proj(hidden))
-        proj = mlp.down_proj
-        return (kernels.linear(act, proj.weight, proj.bias) if fits_small_batch(proj) else proj(act)), residual
+        act, residual = kernels.norm_gate_up_silu(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias)
+        return kernels.linear(act, mlp.down_proj.weight, mlp.down_proj.bias), residual
 
 
 class LlamaModel(nn.Module):
@@ -188,5 +176,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """Logits of the rows of hidden; in float32 for the sampler, or in the model dtype where
         only their argmax is needed (the same index: the float32 values are exact conversions)."""
-        logits = self.lm_head(hidden)
+        kernels = small_batch(hidden)
+        if kernels is not None:   # one row: the one-row GEMV streams the LM head faster than cuBLAS
+            logits = kernels.linear(hidden, self.lm_head.weight, self.lm_head.bias)
+        else:
+            logits = self.lm_head(hidden)
         return logits.float() if float32 else logits

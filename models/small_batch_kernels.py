@@ -18,8 +18,9 @@ BLOCK_K (the same fp32 summation order), so it equals norm_linear + rope_and_cac
 
 Design (one kernel, `_small_rows_kernel`, specialised by constexpr flags):
   * grid = (cdiv(N, BLOCK_N),): a program owns BLOCK_N output columns for ALL rows (M <= MAX_ROWS),
-    so every weight element is read exactly once. BLOCK_N (8..64) is picked so the grid covers the
-    GPU's SMs about twice for big weights; no split-K (it would need a second launch or atomics).
+    so every weight element is read exactly once; no split-K (it would need a second launch or
+    atomics). One row on a GPU: thin programs (BLOCK_N 2, ONE_ROW_TILES, measured) stream the
+    weight at up to ~3 TB/s on an H100, above cuBLAS's GEMV.
   * the norm: every program computes the rms of each row itself (first pass over x, which is at
     most a few thousand elements and sits in L2), then re-normalises x tile by tile while streaming
     its weight tile. Only the programs of column tile 0 store residual_out: no races.
@@ -34,7 +35,8 @@ Design (one kernel, `_small_rows_kernel`, specialised by constexpr flags):
     to the model dtype before silu(gate) (rounded) * up (rounded), as `_silu_and_mul_kernel`.
   * no host syncs and no value-dependent allocation: everything runs inside CUDA graph capture.
 
-Tile sizes are educated guesses awaiting measurement on an H100 (scripts/bench_linear.py)."""
+One-row tiles are measured (scripts/bench_gemv_configs.py, ONE_ROW_TILES); the tl.dot tiles of
+2..MAX_ROWS rows are not tuned (the model sends only one row here: models.layers.SMALL_BATCH_MAX_ROWS)."""
 
 from __future__ import annotations
 
@@ -182,30 +184,44 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+ONE_ROW_TILES = dict(block_n=2, block_k=1024, num_warps=4, num_stages=1)
+"""A GPU's one-row tiles (BLOCK_N plain columns, or gate/up or RoPE column pairs at half of it).
+Measured on an H100 (scripts/bench_gemv_configs.py, run M, 16 configurations, bf16, cold weights):
+2 x 1024 with 4 warps is the fastest or within 3% of it for every weight of SmolLM2-135M,
+Llama-3.2-1B and Llama-3-8B, and beats cuBLAS on all but SmolLM2's LM head (tied): e.g. Llama-3-8B
+gate_up 84.5 -> 79.0 us (2974 GB/s), its LM head 381 -> 337 us, Llama-3.2-1B down 15.8 -> 13.7.
+Many thin programs (N / 2 of them) keep enough loads in flight; one 16-byte load per thread and
+row per iteration; the loop is not pipelined (num_stages 3 measured the same as 1)."""
+
+
 def block_sizes(rows: int, n: int, k: int, dtype: torch.dtype, device: torch.device, gated: bool = False):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for `rows` x [n outputs, k inputs]. Untuned: BLOCK_N is
-    the largest power of two in [min, 64] whose grid still has ~2 programs per SM (min 16 for
-    tl.dot, 8 for the elementwise M == 1 path). M == 1: BLOCK_K as wide as the accumulator budget
-    allows (that loop is not software-pipelined, so fewer, wider iterations), and on a GPU BLOCK_N
-    down to 4 where that brings all of K into one tile (SmolLM2: K 576 -> 1024, one pass over x);
-    tl.dot: 64-128 (the loop is pipelined through shared memory)."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for `rows` x [n outputs, k inputs]. One row on a GPU:
+    ONE_ROW_TILES (BLOCK_K down to K's power of two). Otherwise untuned: BLOCK_N is the largest
+    power of two in [min, 64] whose grid still has ~2 programs per SM (min 16 for tl.dot, 8 for
+    the elementwise one-row path of the interpreter, whose cost is per program); BLOCK_K as wide
+    as the fp32 accumulator budget allows (one row) or 64-128 (tl.dot, pipelined through shared
+    memory)."""
     block_m = 1 if rows == 1 else max(16, triton.next_power_of_2(rows))
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else INTERPRETER_SMS
+    if block_m == 1 and device.type == "cuda":
+        t = ONE_ROW_TILES
+        block_n = t["block_n"] // 2 if gated else t["block_n"]
+        return 1, block_n, max(16, min(t["block_k"], triton.next_power_of_2(k))), t["num_warps"]
+    sms = INTERPRETER_SMS if device.type != "cuda" else _num_sms(
+        device.index if device.index is not None else torch.cuda.current_device())
     min_n = 8 if block_m == 1 else 16
     block_n = 64
     while block_n > min_n and triton.cdiv(n, block_n) < 2 * sms:
         block_n //= 2
     if block_m == 1:   # the fp32 accumulator(s) [BLOCK_N, BLOCK_K]: ~8192 elements, 64 registers a thread
-        per_n = M1_ACC_ELEMENTS // (2 if gated else 1)
-        whole_k = triton.next_power_of_2(k)
-        if device.type == "cuda" and block_n * whole_k > per_n and per_n // whole_k >= 4:
-            block_n = per_n // whole_k   # narrower tiles, but all of K in one: no separate rms pass
-        block_k = per_n // block_n
+        block_k = M1_ACC_ELEMENTS // (2 if gated else 1) // block_n
     else:
         block_k = 64 if dtype == torch.float32 or gated or block_m > 16 else 128
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
     return block_m, block_n, block_k, 4
+
+
+def _stages(rows: int, device: torch.device) -> int:
+    return ONE_ROW_TILES["num_stages"] if rows == 1 and device.type == "cuda" else 3
 
 
 def _launch(x, residual, norm_weight, eps, weight, bias, gated: bool, config: tuple | None = None):
@@ -229,7 +245,7 @@ def _launch(x, residual, norm_weight, eps, weight, bias, gated: bool, config: tu
             raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
         res_out = torch.empty((rows, k), dtype=x.dtype, device=x.device)
     block_m, block_n, block_k, warps = block_sizes(rows, n, k, x.dtype, x.device, gated)
-    stages = 3   # Triton's default
+    stages = _stages(rows, x.device)
     if config is not None:
         if rows != 1:
             raise ValueError("a config override is for one row")
@@ -398,5 +414,5 @@ def norm_qkv_rope_cache(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_Q=num_q_heads, NUM_KV=num_kv_heads, HALF=half, CACHE_BLOCK=kv_cache.shape[2],
         HAS_RESIDUAL=residual is not None, HAS_BIAS=qkv_bias is not None, ONE_TILE=k <= block_k,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=_stages(1, x.device))
     return q_out, (res_out if residual is not None else x)

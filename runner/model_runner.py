@@ -24,7 +24,7 @@ from runner.cudagraph import (CUDA_GRAPHS, BatchDescriptor, CapturePhase, CUDAGr
                               measure_graph_memory, prime_capture_stream, resolve_cudagraph_mode)
 from runner.input_batch import InputBatch
 from runner.outputs import ModelRunnerOutput, PendingOutput
-from runner.sampler import Sampler, SamplingMetadata, make_generator
+from runner.sampler import Sampler, SamplingMetadata, argmax_rows, make_generator
 from runner.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -317,7 +317,7 @@ class ModelRunner:
         logits = self._sampling_logits(reqs, rows, hidden, common, float32=not greedy)
         logprobs = None
         if greedy:
-            sampled = logits.argmax(dim=-1)  # in the model dtype: same index, one conversion kernel less
+            sampled = argmax_rows(logits)  # in the model dtype: same index, one conversion kernel less
         else:
             metadata = SamplingMetadata.from_params(params, self._generators(reqs, rows), "cpu")
             if self.device.type != "cpu":
@@ -357,7 +357,7 @@ class ModelRunner:
         greedy = all(p.temperature == 0.0 and p.logprobs is None for p in params)
         logits = self._sampling_logits(reqs, rows, hidden, common, float32=not greedy)
         if greedy:
-            token_ids = logits.argmax(dim=-1).tolist()  # the common greedy case: no sampling metadata
+            token_ids = argmax_rows(logits).tolist()  # the common greedy case: no sampling metadata
             return ModelRunnerOutput(dict(zip([reqs[i].request_id for i in rows], token_ids)))
         result = self.sampler(logits, SamplingMetadata.from_params(params, self._generators(reqs, rows), self.device))
         token_ids = result.sampled_token_ids.tolist()

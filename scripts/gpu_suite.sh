@@ -15,7 +15,8 @@
 #        s3check: GPU tests, linear micro-benchmarks, FULL profile, decode FULL/PIECEWISE with this
 #                 session's changes off, then on with async scheduling off and on, in one run; s3goals: the goal figures (decode per mode with HF, cold
 #                 capture + serving at 0.95, throughput, FULL host profile); s3tests: the GPU tests.
-#        s4probe: one-row GEMV tile sweep (bench_gemv_configs), PIECEWISE host profile, 1B FULL profile.
+#        s4probe: one-row GEMV tile sweep (bench_gemv_configs), PIECEWISE host profile, 1B FULL profile;
+#        s4check: GPU tests, kernel tests, one-row bench_linear, FULL profiles, decode FULL/PIECEWISE bs 1/32.
 # Logs go to $OUT/suite.log, figures to $OUT/*.json and $OUT/*.png; a short table comes last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -127,6 +128,16 @@ if [[ $STAGE == s4probe ]]; then  # session 4: data for the GEMV tiles, the PIEC
   step gemv 240 python3 scripts/bench_gemv_configs.py --json "$OUT/gemv.json"
   step profile-pw 60 python3 scripts/profile_step.py --mode PIECEWISE --batch-size 1 --host-profile --top 40
   step profile-1b 60 python3 scripts/profile_step.py --shape llama-3.2-1b --mode FULL --batch-size 1 --top 30
+fi
+if [[ $STAGE == s4check ]]; then  # session 4: GPU tests of the changed kernels, their micro-benchmarks, decode
+  step cuda-tests 200 python3 -m pytest -q -p no:cacheprovider -m cuda -rA tests --deselect tests/test_pipeline.py
+  step kernel-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
+    tests/test_small_batch_kernels.py tests/test_greedy_argmax.py tests/test_fast_launch.py
+  step linear 90 python3 scripts/bench_linear.py --rows 1 --json "$OUT/linear.json"
+  step profile-full 60 python3 scripts/profile_step.py --mode FULL --batch-size 1
+  step profile-1b 60 python3 scripts/profile_step.py --shape llama-3.2-1b --mode FULL --batch-size 1
+  step decode 200 python3 scripts/bench_decode.py --modes FULL PIECEWISE --batch-sizes 1 32 --warmup 3 --steps 15 \
+    --no-hf --no-plot --json "$OUT/decode.json"
 fi
 if [[ $STAGE == goals ]]; then
   step decode 150 python3 scripts/bench_decode.py --modes FULL PIECEWISE --warmup 3 --steps 15 --hf-max-batch 32 \

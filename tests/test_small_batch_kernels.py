@@ -132,15 +132,21 @@ def test_refuses_what_it_cannot_do():
 def test_block_sizes_fill_the_gpu_and_fit_the_paths(monkeypatch):
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(sbk, "_num_sms", lambda index: 132)   # an H100's
-    for rows in (1, 2, 16, 32):
+    for rows in (2, 16, 32):
         for n, k in ((960, 576), (1536, 576), (4096, 14336), (6144, 4096)):
             block_m, block_n, block_k, _ = sbk.block_sizes(rows, n, k, torch.bfloat16, cuda)
-            assert block_m == (1 if rows == 1 else max(16, rows))
-            assert block_n >= (4 if rows == 1 else 16) and block_k >= 16   # tl.dot's minimum
-            assert block_n <= (8 if rows == 1 else 16) or -(-n // block_n) >= 2 * 132
-    assert sbk.block_sizes(1, 4096, 14336, torch.bfloat16, cuda)[1:3] == (8, 1024)   # 512 programs
-    assert sbk.block_sizes(1, 960, 576, torch.bfloat16, cuda)[1:3] == (8, 1024)      # SmolLM2 qkv: one K tile
-    assert sbk.block_sizes(1, 1536, 576, torch.bfloat16, cuda, gated=True)[1:3] == (4, 1024)
+            assert block_m == max(16, rows)
+            assert block_n >= 16 and block_k >= 16   # tl.dot's minimum
+            assert block_n <= 16 or -(-n // block_n) >= 2 * 132
+    # One row on a GPU: the measured tiles (ONE_ROW_TILES), gate/up pairs at half the columns,
+    # BLOCK_K down to K's power of two (SmolLM2's K 576: one K tile, no separate rms pass).
+    assert sbk.block_sizes(1, 4096, 14336, torch.bfloat16, cuda) == (1, 2, 1024, 4)
+    assert sbk.block_sizes(1, 960, 576, torch.bfloat16, cuda) == (1, 2, 1024, 4)
+    assert sbk.block_sizes(1, 1536, 576, torch.bfloat16, cuda, gated=True) == (1, 1, 1024, 4)
+    assert sbk.block_sizes(1, 64, 64, torch.bfloat16, cuda) == (1, 2, 64, 4)
+    assert sbk.qkv_rope_block_sizes(480, 960, 576, torch.bfloat16, cuda) == (1, 1024)
+    # The interpreter keeps few, wide programs (its cost is per program).
+    assert sbk.block_sizes(1, 960, 576, torch.float32, torch.device("cpu"))[1] >= 8
 
 
 # --- norm_qkv_rope_cache: one row, norm + qkv + RoPE + KV-cache write -----------------------------
@@ -258,19 +264,13 @@ def _spy():
 FAMILIES = [("llama_gqa", {}), ("qwen2", {}), ("qwen3", {})]   # plain, qkv bias, qk_norm + head_dim
 
 
-PLANS = {"all": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}, "attention": {"qkv_proj", "o_proj"},
-         "mlp": {"gate_up_proj", "down_proj"}, "gemv_only": {"o_proj", "down_proj"}}
-"""Which projections `fits_small_batch` admits: every mix the weight-size rule can produce."""
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through the interpreter; the GPU runs "
                     "test_engine_greedy_tokens_same_with_small_batch_path_on_and_off")
 @pytest.mark.parametrize("family, kwargs", FAMILIES)
-@pytest.mark.parametrize("plan", sorted(PLANS))
-def test_model_logits_same_with_small_batch_path_forced(tmp_path, monkeypatch, family, kwargs, plan):
+def test_model_logits_same_with_small_batch_path_forced(tmp_path, monkeypatch, family, kwargs):
     """On a CPU through the interpreter: the model's own layers, with `small_batch` forced to answer
-    the kernels (for any row count the kernels take) and `fits_small_batch` admitting the plan's
-    projections, give the reference path's logits (fp32; a 13-token prefill and a 1-token one)."""
+    the kernels (for any row count the kernels take), give the reference path's logits (fp32; a
+    13-token prefill and a 1-token one), every projection through its kernel."""
     from checkpoints import make_tiny_checkpoint
     from model_helpers import load_ours, prefill_logits
 
@@ -280,15 +280,12 @@ def test_model_logits_same_with_small_batch_path_forced(tmp_path, monkeypatch, f
     expected = [prefill_logits(model, prompts) for prompts in batches]
 
     spy, calls = _spy()
-    names = {id(module): name.rsplit(".", 1)[-1] for name, module in model.named_modules()}
     monkeypatch.setattr(llama, "small_batch", lambda x: spy)
-    monkeypatch.setattr(llama, "fits_small_batch", lambda layer: names[id(layer)] in PLANS[plan])
     got = [prefill_logits(model, prompts) for prompts in batches]
     layers_run = 2 * model.num_local_layers
-    admitted = PLANS[plan]
-    assert calls["norm_linear"] == (layers_run if "qkv_proj" in admitted else 0)
-    assert calls["norm_gate_up_silu"] == (layers_run if "gate_up_proj" in admitted else 0)
-    assert calls["linear"] == layers_run * len(admitted & {"o_proj", "down_proj"})
+    assert calls["norm_linear"] == layers_run
+    assert calls["norm_gate_up_silu"] == layers_run
+    assert calls["linear"] == 2 * layers_run + len(batches)   # o, down per layer; the LM head per forward
     for got_batch, expected_batch in zip(got, expected):
         for a, b in zip(got_batch, expected_batch):
             assert (a - b).abs().max().item() < 1e-4
@@ -331,7 +328,7 @@ def _tiny_model(tmp_path_factory, family):
     return _LAYER_MODELS[family]
 
 
-ROPE_CACHE_CASES = ["fused", "backend_writes_kv", "profile_run", "two_rows", "qkv_too_big", "partial_rotary"]
+ROPE_CACHE_CASES = ["fused", "backend_writes_kv", "profile_run", "two_rows", "partial_rotary"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through the interpreter; the GPU runs "
@@ -375,9 +372,6 @@ def test_decoder_layer_fuses_rope_and_cache_into_qkv_only_where_it_applies(tmp_p
             if family != "qwen3":
                 assert run(lambda: attn.cache_written_here(hidden), True, cache)[0] is not None
             continue
-        admitted = case != "qkv_too_big"
-        names = {id(module): name.rsplit(".", 1)[-1] for name, module in model.named_modules()}
-        monkeypatch.setattr(llama, "fits_small_batch", lambda lin: admitted or names[id(lin)] != "qkv_proj")
         kv_cache = None if case == "profile_run" else cache
         flag = case != "backend_writes_kv"
 
@@ -389,7 +383,7 @@ def test_decoder_layer_fuses_rope_and_cache_into_qkv_only_where_it_applies(tmp_p
 
         fused = case == "fused" and family != "qwen3"
         assert calls["norm_qkv_rope_cache"] == int(fused)
-        assert calls["norm_linear"] == int(not fused and admitted)
+        assert calls["norm_linear"] == int(not fused)
         if rows == 1:
             assert attn_calls == [fused]   # the attention op got key None exactly when the layer cached k/v
         for a, b in zip(got, expected):
@@ -397,12 +391,6 @@ def test_decoder_layer_fuses_rope_and_cache_into_qkv_only_where_it_applies(tmp_p
         if kv_cache is not None:
             assert (got_cache - ref_cache).abs().max().item() < 1e-5   # F.linear vs the GEMV: sum order
             assert torch.equal(got_cache.flatten(1, 2)[:, :9], kv_cache.flatten(1, 2)[:, :9])   # other slots
-
-
-def test_fits_small_batch_follows_weight_bytes(monkeypatch):
-    small, large = torch.nn.Linear(64, 32), torch.nn.Linear(64, 4096)   # 8 KiB, 1 MiB of fp32
-    monkeypatch.setattr(layers, "SMALL_BATCH_MAX_WEIGHT_BYTES", 64 << 10)
-    assert layers.fits_small_batch(small) and not layers.fits_small_batch(large)
 
 
 def test_cpu_never_takes_the_small_batch_path():

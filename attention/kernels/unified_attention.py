@@ -15,8 +15,11 @@ Layout of the work (the vLLM design):
   length. Programs that land past the last request zero the padded token rows of `out`, so
   those rows are finite (0) rather than stale.
 - Split-KV (flash decoding): with num_splits > 1 each program takes a contiguous share of the
-  KV tiles its q block needs and writes (max, sum, unnormalised acc) to scratch; a second kernel
-  merges the splits. This buys parallelism for small batches with long contexts.
+  KV tiles its q block needs, at least MIN_SPLIT_TILES of them, so a short context keeps fewer
+  ("active") splits. One active split writes `out` itself. Otherwise each active split writes
+  (max, sum, unnormalised acc) to scratch, and the last of them to finish, counted by an atomic
+  ticket, merges them in the same launch (FUSED_MERGE; the separate merge kernel otherwise). This
+  buys parallelism for small batches with long contexts without a second launch per layer.
 Scores are kept in the log2 domain (scale * log2(e) folded in) so the softmax uses exp2.
 DOT_FP32 (CPU only) upcasts the dot operands: Triton's interpreter multiplies bf16 tensors as their
 raw 16-bit patterns (numpy has no bf16), so interpreted bf16 dots are wrong without it.
@@ -25,6 +28,7 @@ raw 16-bit patterns (numpy has no bf16), so interpreted bf16 dots are wrong with
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -38,13 +42,14 @@ LOG2E = 1.4426950408889634
 @triton.jit(do_not_specialize=["num_tokens", "num_reqs", "num_splits"])
 def attention_kernel(
     q_ptr, cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, block_table_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, ticket_ptr,
     scale_log2, num_tokens, num_reqs, num_q_heads, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_b, stride_c_s, stride_c_h, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, REQ_CHUNK: tl.constexpr,
-    SPLIT_KV: tl.constexpr, DOT_FP32: tl.constexpr,
+    SPLIT_KV: tl.constexpr, DOT_FP32: tl.constexpr, FUSED_MERGE: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -69,8 +74,9 @@ def attention_kernel(
     dim_ok = dims < HEAD_DIM
 
     if req >= num_reqs:
-        # Past the last request: zero padded token rows (with splits, the merge kernel does it).
-        if not SPLIT_KV:
+        # Past the last request: zero padded token rows (with separate-kernel splits, the merge
+        # kernel does it; every split program of this block writes the same zeros otherwise).
+        if FUSED_MERGE or not SPLIT_KV:
             tokens = (q_start // BLOCK_Q + local_block) * BLOCK_Q + q_off
             pad_ok = (q_off < BLOCK_Q) & (tokens >= q_start) & (tokens < num_tokens)
             dst = out_ptr + tokens.to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
@@ -92,10 +98,15 @@ def attention_kernel(
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     q = q.to(tl.float32 if DOT_FP32 else cache_ptr.dtype.element_ty)
 
-    # KV positions this q block needs, and this split's share of their tiles.
+    # KV positions this q block needs, and this split's share of their tiles (at least
+    # MIN_SPLIT_TILES: the splits past `active` have none).
     kv_end = tl.minimum(context_len + (local_block + 1) * BLOCK_Q, seq_len)
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), MIN_SPLIT_TILES)
+    active = tl.cdiv(num_tiles, tiles_per_split)
+    if FUSED_MERGE:
+        if split >= active:
+            return
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
@@ -127,15 +138,59 @@ def attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
+    dst = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    out_mask = row_ok[:, None] & dim_ok[None, :]
+    row_parts = (tokens * num_q_heads + heads) * num_splits
     if not SPLIT_KV:
-        result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        dst = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
-        tl.store(dst, result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+        _store_normalised(dst, acc, l_i, out_mask)
+    elif not FUSED_MERGE:   # the merge kernel follows
+        _store_partials(part_max_ptr, part_sum_ptr, part_acc_ptr, row_parts + split, m_i, l_i, acc, row_ok, dims, D_PAD)
+    elif active == 1:   # the only split: nothing to merge
+        _store_normalised(dst, acc, l_i, out_mask)
     else:
-        part = (tokens * num_q_heads + heads) * num_splits + split
-        tl.store(part_max_ptr + part, m_i, mask=row_ok)
-        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
-        tl.store(part_acc_ptr + part[:, None] * D_PAD + dims[None, :], acc, mask=row_ok[:, None])
+        _store_partials(part_max_ptr, part_sum_ptr, part_acc_ptr, row_parts + split, m_i, l_i, acc, row_ok, dims, D_PAD)
+        # The last active split of this (q block, KV head) to finish merges them all. Every
+        # thread's partials are stored before the barrier; the ticket's acq_rel atomic publishes
+        # them to, and acquires the others' for, the last arrival, which reads them past L1 (.cg)
+        # and resets the ticket for the next launch or replay. The merge loop is unrolled
+        # (static_range, masked past `active`) so its loads are independent and issue together.
+        tl.debug_barrier()
+        ticket = ticket_ptr + q_block * tl.num_programs(1) + kv_head
+        arrived = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")
+        if arrived == active - 1:
+            tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
+            m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
+            o_all = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+            for split_i in tl.static_range(MAX_SPLITS):
+                ok = row_ok & (tl.full([BLOCK_M], split_i, tl.int32) < active)
+                m_s = tl.load(part_max_ptr + row_parts + split_i, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                l_s = tl.load(part_sum_ptr + row_parts + split_i, mask=ok, other=0.0, cache_modifier=".cg")
+                a_s = tl.load(part_acc_ptr + (row_parts + split_i)[:, None] * D_PAD + dims[None, :],
+                              mask=ok[:, None], other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m_all, m_s)
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # empty so far: weights 0
+                alpha = tl.math.exp2(m_all - m_ref)
+                beta = tl.math.exp2(m_s - m_ref)
+                l_all = l_all * alpha + l_s * beta
+                o_all = o_all * alpha[:, None] + a_s * beta[:, None]
+                m_all = m_new
+            _store_normalised(dst, o_all, l_all, out_mask)
+
+
+@triton.jit
+def _store_partials(part_max_ptr, part_sum_ptr, part_acc_ptr, part, m_i, l_i, acc, row_ok, dims, D_PAD: tl.constexpr):
+    """One split's (max, sum, unnormalised acc) of each row, for the merge."""
+    tl.store(part_max_ptr + part, m_i, mask=row_ok)
+    tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+    tl.store(part_acc_ptr + part[:, None] * D_PAD + dims[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _store_normalised(dst, acc, l, mask):
+    """out = acc / l (rows with no visible key: l = 0, acc = 0 -> 0)."""
+    result = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(dst, result.to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits"])
@@ -175,6 +230,30 @@ JIT-compile dozens of variants on a cold Triton cache."""
 EAGER_TILES_PER_SPLIT = 4
 """An eager call splits only contexts of at least this many KV tiles per split: below that the
 merge launch costs more host time (PIECEWISE: ~15 us) than the split saves on the GPU."""
+MIN_SPLIT_TILES = 4
+"""KV tiles a split takes at least, inside the kernel: a context shorter than num_splits times this
+keeps fewer active splits (one below 4 tiles: 256 tokens on a GPU), so a graph captured with 16
+splits does not merge 16 slivers of a short context. Read at each call (the tests lower it)."""
+FUSED_MERGE = os.environ.get("GRAPHRUNNER_FUSED_MERGE", "1") != "0"
+"""Merge split-KV partials inside the attention kernel (the last active split merges); 0 = the
+separate merge kernel launch."""
+MERGE_TICKETS = 1 << 16
+"""Arrival counters for the in-kernel merge, one per (q block, KV head) program column: 64K int32
+(256 KiB) per device covers every capture size; a launch that needs more takes the merge kernel."""
+_tickets: dict[torch.device, torch.Tensor] = {}
+
+
+def _merge_tickets(device: torch.device, needed: int) -> torch.Tensor | None:
+    """The device's ticket counters (zero between launches: the last arrival resets its own), or
+    None for the separate merge kernel: FUSED_MERGE off, too many programs, or no buffer yet while
+    a CUDA graph is being captured (one made there would live in the graph's pool). Made at the
+    first call outside a capture; the engine's warm-up runs eagerly before any capture."""
+    tickets = _tickets.get(device)
+    if tickets is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        tickets = _tickets[device] = torch.zeros(MERGE_TICKETS, dtype=torch.int32, device=device)
+    return tickets if FUSED_MERGE and needed <= MERGE_TICKETS else None
 SPLIT_ROWS = 512
 """At most this many (token row x split) pairs: splits pay off for decode-like steps, where few
 programs would otherwise each stream a long context; big batches have parallelism already, and
@@ -269,6 +348,8 @@ def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Te
     constexprs = _constexprs(num_q_heads, num_kv_heads, head_dim, cache_shape[2], device)
     d_pad = constexprs["D_PAD"]
     grid = (-(-num_tokens // constexprs["BLOCK_Q"]) + num_reqs, num_kv_heads, num_splits)
+    tickets = _merge_tickets(device, grid[0] * num_kv_heads)
+    fused_merge = num_splits > 1 and tickets is not None
     if num_splits > 1:
         part_acc = torch.empty(num_tokens, num_q_heads, num_splits, d_pad, dtype=torch.float32, device=device)
         part_max = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=device)
@@ -280,15 +361,15 @@ def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Te
     # Every parameter positionally, constexprs included, in signature order (FastLaunch's contract).
     _attention_launch(
         grid, query, kv_cache, out, query_start_loc, seq_lens, block_table,
-        part_acc, part_max, part_sum,
+        part_acc, part_max, part_sum, tickets if tickets is not None else seq_lens,
         scale * LOG2E, num_tokens, num_reqs, num_q_heads, num_splits,
         q_stride[0], q_stride[1], out_stride[0], out_stride[1],
         cache_stride[0], cache_stride[1], cache_stride[2], cache_stride[3], table_stride[0],
         c["GROUP"], c["HEAD_DIM"], d_pad, c["BLOCK_SIZE"], c["BLOCK_M"], c["BLOCK_Q"], c["BLOCK_N"],
-        c["REQ_CHUNK"], num_splits > 1, c["DOT_FP32"],
+        c["REQ_CHUNK"], num_splits > 1, c["DOT_FP32"], fused_merge, MIN_SPLIT_TILES, MAX_SPLITS,
         device_index=device_index, num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fused_merge:
         _merge_launch(
             (num_tokens, num_q_heads), out, query_start_loc, part_acc, part_max, part_sum,
             num_reqs, num_q_heads, num_splits, out_stride[0], out_stride[1],

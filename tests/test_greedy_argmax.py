@@ -1,0 +1,49 @@
+"""runner/greedy.py: the GPU argmax equals torch's argmax (first maximum), run here in Triton's
+interpreter with several chunk counts; the GPU run is in tests/test_triton_gpu.py."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton kernels on a CPU need TRITON_INTERPRET=1", allow_module_level=True)
+
+from runner import greedy  # noqa: E402
+from runner.sampler import argmax_rows  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, vocab, sms", [(1, 7, 8), (1, 5000, 8), (3, 2049, 2), (17, 1025, 132), (2, 3000, 1)])
+def test_argmax_equals_torch_with_ties_and_edges(rows, vocab, sms, dtype):
+    g = torch.Generator().manual_seed(rows * vocab)
+    x = torch.randn(rows, vocab, generator=g).to(dtype)
+    if vocab > 100:
+        x[0, vocab // 3] = x[0, vocab - 1] = 40.0          # a tie across chunks: the first wins
+        x[-1, 1023:1025] = 41.0                           # a tie across a BLOCK boundary
+    if rows > 2:
+        x[1] = float("-inf")                               # all -inf: index 0, as torch
+    got = greedy.launch(x, sms)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, x.argmax(dim=-1))
+
+
+def test_nan_counts_as_largest():
+    x = torch.zeros(1, 3000)
+    x[0, 2500] = float("nan")
+    x[0, 10] = 5.0
+    assert greedy.launch(x, 8).item() == 2500
+
+
+def test_cpu_tensor_takes_torch_argmax_and_rejects_bad_layout():
+    x = torch.randn(4, 10)
+    assert torch.equal(argmax_rows(x), x.argmax(-1))
+    with pytest.raises(ValueError, match="contiguous rows"):
+        greedy.argmax_rows(x.t())
+
+
+@pytest.mark.parametrize("rows, vocab, sms, expected", [(1, 128256, 132, 64), (32, 49152, 132, 9), (512, 49152, 132, 1),
+                                                        (1, 500, 132, 1)])
+def test_chunks_spread_rows_over_the_sms(rows, vocab, sms, expected):
+    assert greedy.num_chunks(rows, vocab, sms) == expected
