@@ -46,6 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.kernels.fast_launch import FastLaunch
+
 MAX_ROWS = 32
 """Most rows the kernels take (BLOCK_M = 32 then; the accumulator and the x tile grow with it).
 Which row counts the model actually sends here is models.layers.SMALL_BATCH_MAX_ROWS."""
@@ -170,6 +172,8 @@ def _small_rows_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, out_ptr, res_ou
     tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], res.to(out_ty), mask=out_mask)
 
 
+_small_rows_launch = FastLaunch(_small_rows_kernel)
+
 M1_ACC_ELEMENTS = 8192
 """fp32 accumulator elements a program of the M == 1 path holds (BLOCK_N x BLOCK_K, both tiles for
 gate_up): 64 registers a thread at 4 warps."""
@@ -250,14 +254,17 @@ def _launch(x, residual, norm_weight, eps, weight, bias, gated: bool, config: tu
         if rows != 1:
             raise ValueError("a config override is for one row")
         block_n, block_k, warps, stages = config
-    _small_rows_kernel[(triton.cdiv(n, block_n),)](
+    # FastLaunch: the LM head and NONE-mode steps launch this eagerly, where Triton's own launch
+    # path costs tens of microseconds of host time (every parameter positionally, in order).
+    _small_rows_launch(
+        (triton.cdiv(n, block_n),),
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight,
         weight, bias if bias is not None else weight, out, res_out if res_out is not None else out,
-        rows, n, k, eps, x.stride(0), x.stride(1),
+        rows, n, k, float(eps), x.stride(0), x.stride(1),
         residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
-        HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-        GATED=gated, IEEE=x.dtype == torch.float32, ONE_TILE=k <= block_k,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+        norm_weight is not None, residual is not None, bias is not None,
+        gated, x.dtype == torch.float32, k <= block_k, block_m, block_n, block_k,
+        device_index=x.device.index or 0, num_warps=warps, num_stages=stages)
     return out, (res_out if residual is not None else x)
 
 

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.kernels.fast_launch import FastLaunch
+
 BLOCK = 1024
 """Logits a program reads per loop step (8 per thread at 4 warps: one 16-byte load in bf16)."""
 MAX_CHUNKS = 64
@@ -57,6 +59,10 @@ def _argmax_rows_kernel(val_ptr, idx_ptr, out_ptr, chunks, CHUNKS_PAD: tl.conste
     tl.store(out_ptr + row, tl.where(first == 2147483647, 0, first).to(tl.int64))   # all -inf: index 0
 
 
+_chunks_launch = FastLaunch(_argmax_chunks_kernel)
+_rows_launch = FastLaunch(_argmax_rows_kernel)
+
+
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -88,7 +94,11 @@ def launch(logits: torch.Tensor, sms: int) -> torch.Tensor:
     scratch = torch.empty(2, rows * chunks, dtype=torch.float32, device=logits.device)
     vals, idxs = scratch[0], scratch[1].view(torch.int32)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    _argmax_chunks_kernel[(rows, chunks)](logits, vals, idxs, vocab, logits.stride(0), chunk_len, BLOCK=BLOCK,
-                                          num_warps=4)
-    _argmax_rows_kernel[(rows,)](vals, idxs, out, chunks, CHUNKS_PAD=triton.next_power_of_2(chunks), num_warps=1)
+    # Launched eagerly after every step: FastLaunch skips Triton's per-call binding (every
+    # parameter positionally, in order).
+    device_index = logits.device.index or 0
+    _chunks_launch((rows, chunks), logits, vals, idxs, vocab, logits.stride(0), chunk_len, BLOCK,
+                   device_index=device_index, num_warps=4, num_stages=1)
+    _rows_launch((rows,), vals, idxs, out, chunks, triton.next_power_of_2(chunks),
+                 device_index=device_index, num_warps=1, num_stages=1)
     return out

@@ -16,7 +16,8 @@
 #                 session's changes off, then on with async scheduling off and on, in one run; s3goals: the goal figures (decode per mode with HF, cold
 #                 capture + serving at 0.95, throughput, FULL host profile); s3tests: the GPU tests.
 #        s4probe: one-row GEMV tile sweep (bench_gemv_configs), PIECEWISE host profile, 1B FULL profile;
-#        s4check: GPU tests, kernel tests, one-row bench_linear, FULL profiles, decode FULL/PIECEWISE bs 1/32.
+#        s4check: GPU tests, kernel tests, one-row bench_linear, FULL profiles, decode FULL/PIECEWISE bs 1/32;
+#        s4split: FULL bs1 decode with the split-KV merge in-kernel or not, and MIN_SPLIT_TILES 1/2/4.
 # Logs go to $OUT/suite.log, figures to $OUT/*.json and $OUT/*.png; a short table comes last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -138,6 +139,17 @@ if [[ $STAGE == s4check ]]; then  # session 4: GPU tests of the changed kernels,
   step profile-1b 60 python3 scripts/profile_step.py --shape llama-3.2-1b --mode FULL --batch-size 1
   step decode 200 python3 scripts/bench_decode.py --modes FULL PIECEWISE --batch-sizes 1 32 --warmup 3 --steps 15 \
     --no-hf --no-plot --json "$OUT/decode.json"
+fi
+if [[ $STAGE == s4split ]]; then  # session 4: the split-KV merge variants, FULL bs1 decode of the three shapes
+  step kernel-tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_greedy_argmax.py tests/test_triton_gpu.py \
+    tests/test_triton_kernels.py -k "split or argmax or fast_launch or graph"
+  for variant in 1:1 0:1 1:2 1:4; do
+    fused=${variant%%:*} min_tiles=${variant##*:}
+    step "decode-f${fused}-m${min_tiles}" 100 env GRAPHRUNNER_FUSED_MERGE=$fused GRAPHRUNNER_MIN_SPLIT_TILES=$min_tiles \
+      python3 scripts/bench_decode.py --modes FULL --batch-sizes 1 --warmup 3 --steps 15 --no-hf --no-plot \
+      --json "$OUT/decode_f${fused}_m${min_tiles}.json"
+  done
+  step profile-full 60 python3 scripts/profile_step.py --mode FULL --batch-size 1
 fi
 if [[ $STAGE == goals ]]; then
   step decode 150 python3 scripts/bench_decode.py --modes FULL PIECEWISE --warmup 3 --steps 15 --hf-max-batch 32 \

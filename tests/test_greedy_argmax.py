@@ -13,12 +13,14 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 from runner import greedy  # noqa: E402
 from runner.sampler import argmax_rows  # noqa: E402
 
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available() else "cuda"
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, vocab, sms", [(1, 7, 8), (1, 5000, 8), (3, 2049, 2), (17, 1025, 132), (2, 3000, 1)])
 def test_argmax_equals_torch_with_ties_and_edges(rows, vocab, sms, dtype):
     g = torch.Generator().manual_seed(rows * vocab)
-    x = torch.randn(rows, vocab, generator=g).to(dtype)
+    x = torch.randn(rows, vocab, generator=g).to(dtype).to(DEVICE)
     if vocab > 100:
         x[0, vocab // 3] = x[0, vocab - 1] = 40.0          # a tie across chunks: the first wins
         x[-1, 1023:1025] = 41.0                           # a tie across a BLOCK boundary
@@ -30,7 +32,7 @@ def test_argmax_equals_torch_with_ties_and_edges(rows, vocab, sms, dtype):
 
 
 def test_nan_counts_as_largest():
-    x = torch.zeros(1, 3000)
+    x = torch.zeros(1, 3000, device=DEVICE)
     x[0, 2500] = float("nan")
     x[0, 10] = 5.0
     assert greedy.launch(x, 8).item() == 2500

@@ -230,7 +230,7 @@ JIT-compile dozens of variants on a cold Triton cache."""
 EAGER_TILES_PER_SPLIT = 4
 """An eager call splits only contexts of at least this many KV tiles per split: below that the
 merge launch costs more host time (PIECEWISE: ~15 us) than the split saves on the GPU."""
-MIN_SPLIT_TILES = 4
+MIN_SPLIT_TILES = int(os.environ.get("GRAPHRUNNER_MIN_SPLIT_TILES", "4"))
 """KV tiles a split takes at least, inside the kernel: a context shorter than num_splits times this
 keeps fewer active splits (one below 4 tiles: 256 tokens on a GPU), so a graph captured with 16
 splits does not merge 16 slivers of a short context. Read at each call (the tests lower it)."""
