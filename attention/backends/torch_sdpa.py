@@ -52,13 +52,17 @@ class _StepLayout:
     """Every request has exactly one query token and token r is request r's: no query gather."""
     q_index: torch.Tensor | None    # [R * max_q] token row of each query slot (0 where padded); None for decode
     out_index: torch.Tensor | None  # [actual] the query slot of each token row; None for decode
-    mask: torch.Tensor              # [R, 1, max_q, max_kv] additive: 0 where causal and within seq_len, else -inf
+    mask: torch.Tensor              # [R, 1, max_q, kv_width] additive: 0 where causal and within seq_len, else -inf
     kv_blocks: torch.Tensor | None  # [2 * R * blocks] K then V block ids in the [2 * num_blocks] view (cache path)
     blocks: int
     kv_index: torch.Tensor | None   # [R * max_q] token rows of the step's own keys (no-cache path)
     slots: torch.Tensor | None      # slots this step writes (cache path)
     write_rows: torch.Tensor | None # token rows that write, None when all `actual` rows do
     dense: "_DenseStep | None" = None  # the dense copy's plan for this step (CPU), None: gather from the cache
+    kv_width: int = 0
+    """Key positions the attention reads per request: the longest seq_len with the dense copy (no
+    position past it is ever unmasked, and decode attention is bound by reading K/V), whole
+    blocks (blocks * block_size) when gathering from the cache."""
 
 
 @dataclass
@@ -105,6 +109,8 @@ def _layout(common: CommonAttentionMetadata, kv_cache: torch.Tensor | None, devi
             slots = slots[write_rows]
         if dense_kv is not None:
             dense = dense_kv.plan(common, kv_cache, num_reqs, blocks, table, context, query_lens)
+        if dense is not None:
+            max_kv = int(seq_lens.max())
     else:
         max_kv = max_q
         context, kv_len = torch.zeros_like(query_lens), query_lens
@@ -116,7 +122,7 @@ def _layout(common: CommonAttentionMetadata, kv_cache: torch.Tensor | None, devi
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
     out_index = None if decode else q_valid.reshape(-1).nonzero().squeeze(1).to(device)
     return _StepLayout(actual, num_reqs, max_q, decode, None if decode else q_index.to(device), out_index,
-                       mask[:, None].to(device), kv_blocks, blocks, kv_index, slots, write_rows, dense)
+                       mask[:, None].to(device), kv_blocks, blocks, kv_index, slots, write_rows, dense, max_kv)
 
 
 @dataclass
@@ -273,8 +279,8 @@ class TorchSDPABackend(AttentionBackend):
         num_reqs, max_q, group = layout.num_reqs, layout.max_q, layer.num_heads // num_kv_heads
         # index_select on flattened indices: about twice as fast on a CPU as advanced indexing.
         if layout.dense is not None:
-            k, v = self.dense_kv.keys_values(layout.dense, kv_cache, new_kv, num_reqs,
-                                             layout.blocks * kv_cache.shape[2], layout.kv_blocks)
+            k, v = self.dense_kv.keys_values(layout.dense, kv_cache, new_kv, num_reqs, layout.kv_width,
+                                             layout.kv_blocks)
             k, v = k.transpose(1, 2), v.transpose(1, 2)                          # [R, Hkv, max_kv, D]
         elif kv_cache is not None:
             kv = kv_cache.view(-1, *kv_cache.shape[2:]).index_select(0, layout.kv_blocks)
