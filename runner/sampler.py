@@ -27,9 +27,13 @@ def _greedy_kernels():
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """`logits.argmax(dim=-1)` of 2-D logits; on a GPU by runner/greedy.py's two short launches
-    (torch's reduction takes 13-37 us for one row of a large vocabulary there)."""
+    (torch's reduction takes 13-37 us for one row of a large vocabulary there). On a CPU by
+    `max(dim=-1).indices`: the same index (the first maximum; NaN wins as in argmax) in half the
+    time (32 x 49152 fp32: 0.85 ms against 1.7 ms on the 2-core CI CPU)."""
     kernels = _greedy_kernels() if logits.is_cuda else None
-    return kernels.argmax_rows(logits) if kernels is not None else logits.argmax(dim=-1)
+    if kernels is not None:
+        return kernels.argmax_rows(logits)
+    return logits.max(dim=-1).indices if logits.device.type == "cpu" else logits.argmax(dim=-1)
 
 # Temperatures below this are greedy (as in vLLM): dividing by ~0 only overflows.
 _SAMPLING_EPS = 1e-5
