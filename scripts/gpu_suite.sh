@@ -17,7 +17,8 @@
 #                 capture + serving at 0.95, throughput, FULL host profile); s3tests: the GPU tests.
 #        s4probe: one-row GEMV tile sweep (bench_gemv_configs), PIECEWISE host profile, 1B FULL profile;
 #        s4check: GPU tests, kernel tests, one-row bench_linear, FULL profiles, decode FULL/PIECEWISE bs 1/32;
-#        s4split: FULL bs1 decode with the split-KV merge in-kernel or not, and MIN_SPLIT_TILES 1/2/4.
+#        s4split: FULL bs1 decode with the split-KV merge in-kernel or not, and MIN_SPLIT_TILES 1/2/4;
+#        s4goals: decode per mode with HF, cold capture + serving at 0.95, throughput (s3tests: the GPU tests).
 # Logs go to $OUT/suite.log, figures to $OUT/*.json and $OUT/*.png; a short table comes last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -150,6 +151,12 @@ if [[ $STAGE == s4split ]]; then  # session 4: the split-KV merge variants, FULL
       --json "$OUT/decode_f${fused}_m${min_tiles}.json"
   done
   step profile-full 60 python3 scripts/profile_step.py --mode FULL --batch-size 1
+fi
+if [[ $STAGE == s4goals ]]; then  # session 4: the goal figures on HEAD
+  step decode 240 python3 scripts/bench_decode.py --modes FULL PIECEWISE --warmup 3 --steps 15 --hf-max-batch 32 \
+    --json "$OUT/decode.json" --plot "$OUT/decode.png"
+  step capture 150 python3 scripts/bench_capture.py --cold --gpu-memory-utilization 0.95 --serve 256 --json "$OUT/capture.json"
+  step throughput 100 python3 scripts/bench_throughput.py --json "$OUT/throughput.json"
 fi
 if [[ $STAGE == goals ]]; then
   step decode 150 python3 scripts/bench_decode.py --modes FULL PIECEWISE --warmup 3 --steps 15 --hf-max-batch 32 \

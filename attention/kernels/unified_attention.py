@@ -15,8 +15,8 @@ Layout of the work (the vLLM design):
   length. Programs that land past the last request zero the padded token rows of `out`, so
   those rows are finite (0) rather than stale.
 - Split-KV (flash decoding): with num_splits > 1 each program takes a contiguous share of the
-  KV tiles its q block needs, at least MIN_SPLIT_TILES of them, so a short context keeps fewer
-  ("active") splits. One active split writes `out` itself. Otherwise each active split writes
+  KV tiles its q block needs, at least MIN_SPLIT_TILES of them (a short context may keep fewer
+  "active" splits). One active split writes `out` itself. Otherwise each active split writes
   (max, sum, unnormalised acc) to scratch, and the last of them to finish, counted by an atomic
   ticket, merges them in the same launch (FUSED_MERGE; the separate merge kernel otherwise). This
   buys parallelism for small batches with long contexts without a second launch per layer.
@@ -230,10 +230,13 @@ JIT-compile dozens of variants on a cold Triton cache."""
 EAGER_TILES_PER_SPLIT = 4
 """An eager call splits only contexts of at least this many KV tiles per split: below that the
 merge launch costs more host time (PIECEWISE: ~15 us) than the split saves on the GPU."""
-MIN_SPLIT_TILES = int(os.environ.get("GRAPHRUNNER_MIN_SPLIT_TILES", "4"))
+MIN_SPLIT_TILES = int(os.environ.get("GRAPHRUNNER_MIN_SPLIT_TILES", "1"))
 """KV tiles a split takes at least, inside the kernel: a context shorter than num_splits times this
-keeps fewer active splits (one below 4 tiles: 256 tokens on a GPU), so a graph captured with 16
-splits does not merge 16 slivers of a short context. Read at each call (the tests lower it)."""
+keeps fewer active splits; the splits past them exit at once (no stores, no ticket). Measured
+(run O, H100, FULL bs1, in-kernel merge): 1 -> SmolLM2 0.647 / Llama-3.2-1B 1.219 / Llama-3-8B
+5.957 ms, 2 -> 0.682 / 1.238 / 6.040, 4 -> 1.233 / 6.014 for the Llamas (SmolLM2's 4-tile row was
+host-bound noise; run N: 0.787): with ~3-tile contexts, parallel one-tile splits plus a merge
+beat one program walking the context. Read at each call (the tests set it)."""
 FUSED_MERGE = os.environ.get("GRAPHRUNNER_FUSED_MERGE", "1") != "0"
 """Merge split-KV partials inside the attention kernel (the last active split merges); 0 = the
 separate merge kernel launch."""
