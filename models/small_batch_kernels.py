@@ -40,13 +40,11 @@ One-row tiles are measured (scripts/bench_gemv_configs.py, ONE_ROW_TILES); the t
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from attention.kernels.fast_launch import FastLaunch
+from attention.kernels.fast_launch import FastLaunch, num_sms
 
 MAX_ROWS = 32
 """Most rows the kernels take (BLOCK_M = 32 then; the accumulator and the x tile grow with it).
@@ -183,11 +181,6 @@ INTERPRETER_SMS = 8
 since the interpreter's cost is per program."""
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 ONE_ROW_TILES = dict(block_n=2, block_k=1024, num_warps=4, num_stages=1)
 """A GPU's one-row tiles (BLOCK_N plain columns, or gate/up or RoPE column pairs at half of it).
 Measured on an H100 (scripts/bench_gemv_configs.py, run M, 16 configurations, bf16, cold weights):
@@ -210,8 +203,7 @@ def block_sizes(rows: int, n: int, k: int, dtype: torch.dtype, device: torch.dev
         t = ONE_ROW_TILES
         block_n = t["block_n"] // 2 if gated else t["block_n"]
         return 1, block_n, max(16, min(t["block_k"], triton.next_power_of_2(k))), t["num_warps"]
-    sms = INTERPRETER_SMS if device.type != "cuda" else _num_sms(
-        device.index if device.index is not None else torch.cuda.current_device())
+    sms = num_sms(device) if device.type == "cuda" else INTERPRETER_SMS
     min_n = 8 if block_m == 1 else 16
     block_n = 64
     while block_n > min_n and triton.cdiv(n, block_n) < 2 * sms:

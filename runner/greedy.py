@@ -11,13 +11,11 @@ NaN counts as +inf (torch ranks NaN above +inf; the two differ only for a row ho
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from attention.kernels.fast_launch import FastLaunch
+from attention.kernels.fast_launch import FastLaunch, num_sms
 
 BLOCK = 1024
 """Logits a program reads per loop step (8 per thread at 4 warps: one 16-byte load in bf16)."""
@@ -63,11 +61,6 @@ _chunks_launch = FastLaunch(_argmax_chunks_kernel)
 _rows_launch = FastLaunch(_argmax_rows_kernel)
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def num_chunks(rows: int, vocab: int, sms: int) -> int:
     """Chunks per row: about two programs per SM over all rows, each at least one BLOCK long."""
     return max(1, min(MAX_CHUNKS, -(-2 * sms // rows), -(-vocab // BLOCK)))
@@ -81,7 +74,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
                          f"strides {logits.stride()}")
     if not logits.is_cuda or logits.shape[0] == 0 or logits.shape[1] >= 2 ** 31 - 1:
         return logits.argmax(dim=-1)
-    return launch(logits, _num_sms(logits.device.index or 0))
+    return launch(logits, num_sms(logits.device))
 
 
 def launch(logits: torch.Tensor, sms: int) -> torch.Tensor:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench_linear import COLD_BYTES, shape_dims, time_us_per_call  # noqa: E402
+from bench_linear import COLD_BYTES, shape_dims, time_us_per_call, unavailable  # noqa: E402
 from model_shapes import SHAPES  # noqa: E402
 
 CONFIGS = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
@@ -79,12 +78,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench_gemv_configs: no CUDA device")
-        return {"skipped": "no CUDA device"}
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        print("bench_gemv_configs: --device cpu needs TRITON_INTERPRET=1")
-        return {"skipped": "TRITON_INTERPRET is not 1"}
+    skipped = unavailable(device, "bench_gemv_configs")
+    if skipped:
+        return skipped
     from models import small_batch_kernels as sbk
 
     dtype = getattr(torch, args.dtype)

@@ -137,6 +137,18 @@ def projection_calls(proj: str, dims: dict[str, int], rows: int, dtype: torch.dt
     return unfused_mlp, lambda i: sbk.norm_gate_up_silu(x, residual, norm_w, EPS, weights[i % copies]), weight_bytes
 
 
+def unavailable(device: torch.device, script: str) -> dict | None:
+    """Why `script` cannot run on `device` (printed, and returned as its result), or None: a CUDA
+    run needs a GPU; a CPU run needs Triton's interpreter (TRITON_INTERPRET=1), a smoke test only."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"{script}: no CUDA device (use --device cpu with TRITON_INTERPRET=1 for a smoke run)")
+        return {"skipped": "no CUDA device"}
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        print(f"{script}: --device cpu runs the Triton kernels in the interpreter; set TRITON_INTERPRET=1")
+        return {"skipped": "TRITON_INTERPRET is not 1"}
+    return None
+
+
 def time_us_per_call(fn, repeats: int, replays: int, device: torch.device) -> float:
     """Median microseconds per call of `fn(0..repeats-1)`: captured into one CUDA graph and replayed
     (`replays` timed replays) on a GPU; called directly and timed by the host clock on a CPU."""
@@ -183,12 +195,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench_linear: no CUDA device (use --device cpu with TRITON_INTERPRET=1 for a smoke run)")
-        return {"skipped": "no CUDA device"}
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        print("bench_linear: --device cpu runs the Triton kernels in the interpreter; set TRITON_INTERPRET=1")
-        return {"skipped": "TRITON_INTERPRET is not 1"}
+    skipped = unavailable(device, "bench_linear")
+    if skipped:
+        return skipped
     from models.small_batch_kernels import MAX_ROWS
     dtype = getattr(torch, args.dtype)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"

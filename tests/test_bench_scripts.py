@@ -145,3 +145,22 @@ def test_linear_bench_cpu_smoke(tmp_path):
     layer = rows[4]
     assert layer["unfused_us"] == pytest.approx(sum(r["unfused_us"] for r in rows[:4]))
     assert json.loads(out.read_text())["rows"] == rows
+
+
+def test_gemv_configs_bench_cpu_smoke(tmp_path):
+    """bench_gemv_configs' code paths bar CUDA graphs: every weight of a layer and the LM head, the
+    cuBLAS / default / swept timings, the best config among those swept, the JSON."""
+    import os
+    import bench_gemv_configs
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        assert bench_gemv_configs.main(["--device", "cpu", "--shapes", "tiny"]) == {"skipped": "TRITON_INTERPRET is not 1"}
+        pytest.skip("the Triton kernels need TRITON_INTERPRET=1 on a CPU")
+    out = tmp_path / "gemv.json"
+    result = bench_gemv_configs.main(["--device", "cpu", "--dtype", "float32", "--shapes", "tiny", "--configs", "2",
+                                      "--repeats", "1", "--replays", "1", "--json", str(out)])
+    rows = result["rows"]
+    assert [r["projection"] for r in rows] == ["qkv", "o", "gate_up", "down", "lm_head"]
+    for r in rows:
+        assert r["cublas_us"] > 0 and r["default_us"] > 0 and len(r["configs"]) == 2
+        assert r["best_us"] == min(r["configs"].values())
+    assert json.loads(out.read_text())["rows"] == rows

@@ -131,7 +131,7 @@ def test_refuses_what_it_cannot_do():
 
 def test_block_sizes_fill_the_gpu_and_fit_the_paths(monkeypatch):
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(sbk, "_num_sms", lambda index: 132)   # an H100's
+    monkeypatch.setattr(sbk, "num_sms", lambda index: 132)   # an H100's
     for rows in (2, 16, 32):
         for n, k in ((960, 576), (1536, 576), (4096, 14336), (6144, 4096)):
             block_m, block_n, block_k, _ = sbk.block_sizes(rows, n, k, torch.bfloat16, cuda)
@@ -232,7 +232,7 @@ def test_norm_qkv_rope_cache_matches_norm_linear_then_rope_and_cache(hq, hkv, di
 
 def test_norm_qkv_rope_cache_grid_and_refusals(monkeypatch):
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(sbk, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(sbk, "num_sms", lambda index: 132)
     units = (9 + 2 * 3) * 32   # SmolLM2: 480 column pairs
     block_n, block_k = sbk.qkv_rope_block_sizes(units, 960, 576, torch.bfloat16, cuda)
     assert block_k == sbk.block_sizes(1, 960, 576, torch.bfloat16, cuda)[2] == 1024   # one K tile

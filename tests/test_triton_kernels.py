@@ -412,7 +412,7 @@ def test_split_count_from_padded_shapes_and_fitted_to_the_context_when_eager(mon
     """Graph launches (no max_seq_len) split for parallelism alone; an eager launch also needs
     EAGER_TILES_PER_SPLIT KV tiles per split, so short contexts skip the merge launch."""
     from attention.kernels import unified_attention as ua
-    monkeypatch.setattr(ua, "_num_sms", lambda device: 132)  # an H100
+    monkeypatch.setattr(ua, "num_sms", lambda device: 132)  # an H100
     cuda = torch.device("cuda")
     assert [ua.default_num_splits(b, b, 8, cuda) for b in (1, 8, 32, 128)] == [16, 8, 2, 1]
     block_n = ua.launch_config(cuda)["BLOCK_N"]

@@ -17,6 +17,7 @@ integer fits in 32 bits), and:
 - on a known key, calls that kernel's C launcher directly, with the same arguments Triton
   itself passes it (`JITFunction.run`: grid, stream, function, packed metadata, launch metadata,
   enter/exit hooks, then every bound argument in order).
+`num_sms(device)` is the SM count the kernels size their grids by (one cached helper for all).
 Launch hooks (profilers such as proton) and Triton's interpreter (CPU tests) take the ordinary
 path every time; GRAPHRUNNER_FAST_LAUNCH=0 (read at import) turns the fast path off. A GPU test checks that both
 paths give identical results.
@@ -24,6 +25,7 @@ paths give identical results.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Callable
 
@@ -151,3 +153,16 @@ class FastLaunch:
         kernel.run(grid[0], grid_1, grid_2, self.stream_of(device_index), kernel.function,
                    kernel.packed_metadata, None, None, None, *args)
         self.fast_launches += 1
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    import torch
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device) -> int:
+    """SMs of a CUDA device (a torch.device; index None = the current one): how the kernels here
+    size their grids (programs per SM). Cached per device index."""
+    import torch
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())

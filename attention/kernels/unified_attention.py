@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.kernels.fast_launch import FastLaunch
+from attention.kernels.fast_launch import FastLaunch, num_sms
 
 LOG2E = 1.4426950408889634
 
@@ -90,16 +90,8 @@ def attention_kernel(
     seq_len = tl.load(seq_lens_ptr + req)
     context_len = seq_len - q_len
 
-    q_idx = local_block * BLOCK_Q + q_off          # query index within the request
-    row_ok = (q_off < BLOCK_Q) & (q_idx < q_len)
-    tokens = (q_start + q_idx).to(tl.int64)
-    q_pos = context_len + q_idx                    # absolute position: sees KV positions <= q_pos
-    q = tl.load(q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-    q = q.to(tl.float32 if DOT_FP32 else cache_ptr.dtype.element_ty)
-
     # KV positions this q block needs, and this split's share of their tiles (at least
-    # MIN_SPLIT_TILES: the splits past `active` have none).
+    # MIN_SPLIT_TILES: the splits past `active` have none, and exit before loading q).
     kv_end = tl.minimum(context_len + (local_block + 1) * BLOCK_Q, seq_len)
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
     tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), MIN_SPLIT_TILES)
@@ -109,6 +101,14 @@ def attention_kernel(
             return
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    q_idx = local_block * BLOCK_Q + q_off          # query index within the request
+    row_ok = (q_off < BLOCK_Q) & (q_idx < q_len)
+    tokens = (q_start + q_idx).to(tl.int64)
+    q_pos = context_len + q_idx                    # absolute position: sees KV positions <= q_pos
+    q = tl.load(q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = q.to(tl.float32 if DOT_FP32 else cache_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -263,11 +263,6 @@ programs would otherwise each stream a long context; big batches have parallelis
 the scratch (rows x splits x Hq x D floats, 8 MiB for Llama-3-8B heads) stays small."""
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def default_num_splits(num_tokens: int, num_reqs: int, num_kv_heads: int, device: torch.device,
                        max_seq_len: int | None = None) -> int:
     """KV splits per q block: enough (request, kv head, split) programs to give every SM about
@@ -278,7 +273,7 @@ def default_num_splits(num_tokens: int, num_reqs: int, num_kv_heads: int, device
     scratch and the merge launch (PIECEWISE runs attention eagerly, where each launch is host time)."""
     if device.type != "cuda" or num_reqs == 0:
         return 1
-    wanted = min(4 * _num_sms(device) // (num_reqs * num_kv_heads), MAX_SPLITS, SPLIT_ROWS // num_tokens)
+    wanted = min(4 * num_sms(device) // (num_reqs * num_kv_heads), MAX_SPLITS, SPLIT_ROWS // num_tokens)
     if max_seq_len is not None:
         wanted = min(wanted, -(-max_seq_len // launch_config(device)["BLOCK_N"]) // EAGER_TILES_PER_SPLIT)
     return 1 << (wanted.bit_length() - 1) if wanted >= 2 else 1
