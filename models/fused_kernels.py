@@ -13,10 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.kernels.pdl import pdl_options, wait_for_producers
+
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, x_stride, res_stride, n_cols, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -41,12 +44,14 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     _add_rms_norm_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out, res_out, x.stride(0),
         residual.stride(0) if residual is not None else 0, cols, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        **pdl_options(x.device))
     return out if residual is None else (out, res_out)
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -61,7 +66,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows, cols = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_and_mul_kernel[(rows, triton.cdiv(cols, block))](x, out, x.stride(0), cols, BLOCK=block, num_warps=4)
+    _silu_and_mul_kernel[(rows, triton.cdiv(cols, block))](x, out, x.stride(0), cols, BLOCK=block, num_warps=4,
+                                                           **pdl_options(x.device))
     return out
 
 
@@ -83,7 +89,9 @@ def _rotate_into(src, dst, pos_ptr, token, cos_sin_ptr, cos_sin_stride, HALF: tl
 
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr, q_stride_t, q_stride_h, k_stride_t,
-                 k_stride_h, num_q_heads, num_k_heads, cache_stride, HALF: tl.constexpr, BLOCK: tl.constexpr):
+                 k_stride_h, num_q_heads, num_k_heads, cache_stride, HALF: tl.constexpr, BLOCK: tl.constexpr,
+                 PDL: tl.constexpr):
+    wait_for_producers(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if head < num_q_heads:
@@ -105,7 +113,8 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cach
     half = dim // 2
     _rope_kernel[(tokens, num_q + num_k)](
         q, k, q_out, k_out, positions, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        num_q, num_k, cos_sin_cache.stride(0), HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1)
+        num_q, num_k, cos_sin_cache.stride(0), HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1,
+        **pdl_options(q.device))
     return q_out, k_out
 
 
@@ -114,9 +123,10 @@ def _rope_and_cache_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, pos_ptr, cos_sin_ptr,
                            q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                            num_q_heads, num_k_heads, cos_sin_stride,
                            stride_c_kv, stride_c_b, stride_c_s, stride_c_h,
-                           HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                           HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr):
     """Program (token, head) over num_q + 2 * num_k heads: rotates a q head into q_out, or rotates
     a k head / copies a v head into the paged cache at the token's slot (-1: padded row, skip)."""
+    wait_for_producers(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if head < num_q_heads:
@@ -163,5 +173,6 @@ def rope_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         num_q, num_k, cos_sin_cache.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        HALF=half, BLOCK=triton.next_power_of_2(half), BLOCK_SIZE=kv_cache.shape[2], num_warps=1)
+        HALF=half, BLOCK=triton.next_power_of_2(half), BLOCK_SIZE=kv_cache.shape[2], num_warps=1,
+        **pdl_options(q.device))
     return q_out

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from attention.kernels.fast_launch import FastLaunch, num_sms
+from attention.kernels.pdl import use_pdl, wait_for_producers
 
 MAX_ROWS = 32
 """Most rows the kernels take (BLOCK_M = 32 then; the accumulator and the x tile grow with it).
@@ -67,18 +68,34 @@ def _load_rows(x_ptr, res_ptr, res_out_ptr, offs_m, offs_k, mask, stride_xm, str
 
 @triton.jit
 def _rms_inv(x_ptr, res_ptr, res_out_ptr, offs_m, m_mask, stride_xm, stride_xk, stride_rm, stride_rk, K, eps,
-             STORE_RESIDUAL, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+             STORE_RESIDUAL, HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, RMS_BLOCK: tl.constexpr):
     """1 / rms of each row of x (+ residual), in a pass of its own over K (the rows are at most a
-    few thousand elements and sit in L2); residual_out is stored on the way when STORE_RESIDUAL."""
+    few thousand elements and sit in L2); residual_out is stored on the way when STORE_RESIDUAL.
+    RMS_BLOCK is K's power of two (up to 8192): one round trip to L2 and the same summation as
+    `_add_rms_norm_kernel`, the unfused path."""
     sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, RMS_BLOCK):
+        offs_k = k0 + tl.arange(0, RMS_BLOCK)
         mask = m_mask[:, None] & (offs_k < K)[None, :]
         x = _load_rows(x_ptr, res_ptr, res_out_ptr, offs_m, offs_k, mask, stride_xm, stride_xk,
                        stride_rm, stride_rk, K, STORE_RESIDUAL, HAS_RESIDUAL)
         x32 = x.to(tl.float32)
         sum_sq += tl.sum(x32 * x32, axis=1)
     return tl.rsqrt(sum_sq / K + eps)
+
+
+@triton.jit
+def _weight_tile(w_rows, up_offset, k0, n_mask, K, GATED: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Tile [BLOCK_N, BLOCK_K] at k0 of the weight rows (and of the up rows, `up_offset` further,
+    when GATED; else the same tile again, never used). A tile past K is all masked: no loads."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    w_mask = n_mask[:, None] & (offs_k < K)[None, :]
+    w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
+    if GATED:
+        w_up = tl.load(w_rows + up_offset + offs_k[None, :], mask=w_mask, other=0.0)
+    else:
+        w_up = w
+    return w, w_up
 
 
 @triton.jit
@@ -95,21 +112,27 @@ def _small_rows_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, out_ptr, res_ou
                        M, N, K, eps, stride_xm, stride_xk, stride_rm, stride_rk,
                        HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                        GATED: tl.constexpr, IEEE: tl.constexpr, ONE_TILE: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       RMS_BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[M, N] = prologue(x) @ W[N, K].T (+ b); GATED: W is [2N, K] = [gate; up] and
     out = silu(gate) * up. W contiguous; out and residual_out contiguous [M, N] / [M, K].
     ONE_TILE (K <= BLOCK_K): x is read once and the rms computed in the K loop's only iteration,
-    after the weight loads are issued, instead of in a pass of its own."""
+    after the weight loads are issued, instead of in a pass of its own.
+    The K loop is pipelined by hand, one tile ahead: the first weight tile is requested before
+    the rms pass (and, with PDL, before waiting for the kernel that produces x), each later one
+    before the current tile is used, so DRAM latency overlaps the work instead of preceding it."""
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * K
+    w_next, w_up_next = _weight_tile(w_rows, N * K, 0, n_mask, K, GATED, BLOCK_K)
+    wait_for_producers(PDL)
 
     if HAS_NORM and not ONE_TILE:  # pass 1: each row's rms (and residual_out, from column tile 0 only)
         inv = _rms_inv(x_ptr, res_ptr, res_out_ptr, offs_m, m_mask, stride_xm, stride_xk, stride_rm, stride_rk,
-                       K, eps, pid_n == 0, HAS_RESIDUAL, BLOCK_M, BLOCK_K)
+                       K, eps, pid_n == 0, HAS_RESIDUAL, BLOCK_M, RMS_BLOCK)
 
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -120,10 +143,8 @@ def _small_rows_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, out_ptr, res_ou
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        w_mask = n_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
-        if GATED:
-            w_up = tl.load(w_rows + N * K + offs_k[None, :], mask=w_mask, other=0.0)
+        w, w_up = w_next, w_up_next
+        w_next, w_up_next = _weight_tile(w_rows, N * K, k0 + BLOCK_K, n_mask, K, GATED, BLOCK_K)
         x_mask = m_mask[:, None] & k_mask[None, :]
         if HAS_NORM and ONE_TILE:   # the whole row is here: its rms, and residual_out from tile 0
             x = _load_rows(x_ptr, res_ptr, res_out_ptr, offs_m, offs_k, x_mask, stride_xm, stride_xk,
@@ -216,6 +237,17 @@ def block_sizes(rows: int, n: int, k: int, dtype: torch.dtype, device: torch.dev
     return block_m, block_n, block_k, 4
 
 
+RMS_ELEMENTS = 8192
+"""Elements of x (rows x columns) the separate rms pass loads at once: a whole row up to K = 8192
+for one row (64 fp32 registers a thread at 4 warps)."""
+
+
+def rms_block(k: int, block_m: int) -> int:
+    """The rms pass's tile width: K's power of two (one iteration, the unfused norm's summation)
+    within RMS_ELEMENTS for BLOCK_M rows."""
+    return max(16, min(triton.next_power_of_2(k), RMS_ELEMENTS // block_m))
+
+
 def _stages(rows: int, device: torch.device) -> int:
     return ONE_ROW_TILES["num_stages"] if rows == 1 and device.type == "cuda" else 3
 
@@ -242,6 +274,7 @@ def _launch(x, residual, norm_weight, eps, weight, bias, gated: bool, config: tu
         res_out = torch.empty((rows, k), dtype=x.dtype, device=x.device)
     block_m, block_n, block_k, warps = block_sizes(rows, n, k, x.dtype, x.device, gated)
     stages = _stages(rows, x.device)
+    pdl = use_pdl(x.device)
     if config is not None:
         if rows != 1:
             raise ValueError("a config override is for one row")
@@ -255,8 +288,8 @@ def _launch(x, residual, norm_weight, eps, weight, bias, gated: bool, config: tu
         rows, n, k, float(eps), x.stride(0), x.stride(1),
         residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
         norm_weight is not None, residual is not None, bias is not None,
-        gated, x.dtype == torch.float32, k <= block_k, block_m, block_n, block_k,
-        device_index=x.device.index or 0, num_warps=warps, num_stages=stages)
+        gated, x.dtype == torch.float32, k <= block_k, block_m, block_n, block_k, rms_block(k, block_m), pdl,
+        device_index=x.device.index or 0, num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return out, (res_out if residual is not None else x)
 
 
@@ -290,12 +323,14 @@ def _norm_qkv_rope_cache_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, q_out_
                                 stride_c_kv, stride_c_b, stride_c_s, stride_c_h,
                                 NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr,
                                 CACHE_BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                ONE_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                                ONE_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                RMS_BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One row. Units u in [0, (NUM_Q + 2 NUM_KV) * HALF): head h = u // HALF, d = u % HALF own the
     qkv columns lo = h * D + d and hi = lo + HALF (both accumulated in the same K loop, as GATED's
     gate and up rows). Epilogue: q/k heads (h < NUM_Q + NUM_KV) are rotated at positions[0]; q goes
     to q_out, rotated k and plain v to kv_cache at slot_mapping[0] (-1: no cache write).
-    The GEMV, norm and rounding points are _small_rows_kernel's (BLOCK_M == 1) to the letter."""
+    The GEMV, norm, rounding points and hand-pipelined K loop are _small_rows_kernel's (BLOCK_M == 1)
+    to the letter."""
     pid = tl.program_id(0)
     units = (NUM_Q + 2 * NUM_KV) * HALF
     offs_u = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -303,23 +338,23 @@ def _norm_qkv_rope_cache_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, q_out_
     head = offs_u // HALF
     d = offs_u % HALF
     col_lo = head * (2 * HALF) + d
-    w_lo = w_ptr + col_lo.to(tl.int64)[:, None] * K
-    w_hi = w_lo + HALF * K
+    w_lo = w_ptr + col_lo.to(tl.int64)[:, None] * K   # the hi column's row is HALF rows further
     offs_m = tl.arange(0, 1)
     m_mask = offs_m < 1
+    w_next, w_h_next = _weight_tile(w_lo, HALF * K, 0, u_mask, K, True, BLOCK_K)
+    wait_for_producers(PDL)
 
     if not ONE_TILE:   # pass 1: the row's rms (and residual_out, from program 0 only)
         inv = _rms_inv(x_ptr, res_ptr, res_out_ptr, offs_m, m_mask, 0, stride_xk, 0, stride_rk,
-                       K, eps, pid == 0, HAS_RESIDUAL, 1, BLOCK_K)
+                       K, eps, pid == 0, HAS_RESIDUAL, 1, RMS_BLOCK)
 
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_hi = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        w_mask = u_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_lo + offs_k[None, :], mask=w_mask, other=0.0)
-        w_h = tl.load(w_hi + offs_k[None, :], mask=w_mask, other=0.0)
+        w, w_h = w_next, w_h_next
+        w_next, w_h_next = _weight_tile(w_lo, HALF * K, k0 + BLOCK_K, u_mask, K, True, BLOCK_K)
         x_mask = m_mask[:, None] & k_mask[None, :]
         if ONE_TILE:
             x = _load_rows(x_ptr, res_ptr, res_out_ptr, offs_m, offs_k, x_mask, 0, stride_xk,
@@ -405,6 +440,7 @@ def norm_qkv_rope_cache(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
     half = head_dim // 2
     units = (num_q_heads + 2 * num_kv_heads) * half
     block_n, block_k = qkv_rope_block_sizes(units, n, k, x.dtype, x.device)
+    pdl = use_pdl(x.device)
     _norm_qkv_rope_cache_kernel[(triton.cdiv(units, block_n),)](
         x, residual if residual is not None else x, norm_weight, qkv_weight,
         qkv_bias if qkv_bias is not None else qkv_weight, q_out, res_out if res_out is not None else q_out,
@@ -413,5 +449,6 @@ def norm_qkv_rope_cache(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_Q=num_q_heads, NUM_KV=num_kv_heads, HALF=half, CACHE_BLOCK=kv_cache.shape[2],
         HAS_RESIDUAL=residual is not None, HAS_BIAS=qkv_bias is not None, ONE_TILE=k <= block_k,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=_stages(1, x.device))
+        BLOCK_N=block_n, BLOCK_K=block_k, RMS_BLOCK=rms_block(k, 1), PDL=pdl,
+        num_warps=4, num_stages=_stages(1, x.device), launch_pdl=pdl)
     return q_out, (res_out if residual is not None else x)

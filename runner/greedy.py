@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from attention.kernels.fast_launch import FastLaunch, num_sms
+from attention.kernels.pdl import use_pdl, wait_for_producers
 
 BLOCK = 1024
 """Logits a program reads per loop step (8 per thread at 4 warps: one 16-byte load in bf16)."""
@@ -24,7 +25,8 @@ MAX_CHUNKS = 64
 
 
 @triton.jit
-def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, V, stride_row, chunk_len, BLOCK: tl.constexpr):
+def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, V, stride_row, chunk_len, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producers(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     start = chunk * chunk_len
@@ -46,7 +48,8 @@ def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, V, stride_row, chunk_len, BLO
 
 
 @triton.jit
-def _argmax_rows_kernel(val_ptr, idx_ptr, out_ptr, chunks, CHUNKS_PAD: tl.constexpr):
+def _argmax_rows_kernel(val_ptr, idx_ptr, out_ptr, chunks, CHUNKS_PAD: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producers(PDL)
     row = tl.program_id(0)
     c = tl.arange(0, CHUNKS_PAD)
     ok = c < chunks
@@ -90,8 +93,9 @@ def launch(logits: torch.Tensor, sms: int) -> torch.Tensor:
     # Launched eagerly after every step: FastLaunch skips Triton's per-call binding (every
     # parameter positionally, in order).
     device_index = logits.device.index or 0
-    _chunks_launch((rows, chunks), logits, vals, idxs, vocab, logits.stride(0), chunk_len, BLOCK,
-                   device_index=device_index, num_warps=4, num_stages=1)
-    _rows_launch((rows,), vals, idxs, out, chunks, triton.next_power_of_2(chunks),
-                 device_index=device_index, num_warps=1, num_stages=1)
+    pdl = use_pdl(logits.device)
+    _chunks_launch((rows, chunks), logits, vals, idxs, vocab, logits.stride(0), chunk_len, BLOCK, pdl,
+                   device_index=device_index, num_warps=4, num_stages=1, launch_pdl=pdl)
+    _rows_launch((rows,), vals, idxs, out, chunks, triton.next_power_of_2(chunks), pdl,
+                 device_index=device_index, num_warps=1, num_stages=1, launch_pdl=pdl)
     return out

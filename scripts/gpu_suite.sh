@@ -19,6 +19,8 @@
 #        s4check: GPU tests, kernel tests, one-row bench_linear, FULL profiles, decode FULL/PIECEWISE bs 1/32;
 #        s4split: FULL bs1 decode with the split-KV merge in-kernel or not, and MIN_SPLIT_TILES 1/2/4;
 #        s4goals: decode per mode with HF, cold capture + serving at 0.95, throughput (s3tests: the GPU tests).
+#        s5check: GPU tests, one-row bench_linear, FULL decode of SmolLM2 / Llama-3.2-1B with PDL off, on, and
+#                 (OLD_TREE=dir: a checkout of an earlier commit) the earlier code, FULL profiles.
 # Logs go to $OUT/suite.log, figures to $OUT/*.json and $OUT/*.png; a short table comes last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -157,6 +159,22 @@ if [[ $STAGE == s4goals ]]; then  # session 4: the goal figures on HEAD
     --json "$OUT/decode.json" --plot "$OUT/decode.png"
   step capture 150 python3 scripts/bench_capture.py --cold --gpu-memory-utilization 0.95 --serve 256 --json "$OUT/capture.json"
   step throughput 100 python3 scripts/bench_throughput.py --json "$OUT/throughput.json"
+fi
+if [[ $STAGE == s5check ]]; then  # session 5: PDL and the hand-pipelined K loop, tested, then measured on/off/before
+  step cuda-tests 200 python3 -m pytest -q -p no:cacheprovider -m cuda -rA tests --deselect tests/test_pipeline.py
+  step kernel-tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_pdl.py \
+    tests/test_small_batch_kernels.py tests/test_greedy_argmax.py tests/test_fused_kernels.py
+  step linear 60 env GRAPHRUNNER_PDL=0 python3 scripts/bench_linear.py --rows 1 --shapes llama-3.2-1b \
+    --json "$OUT/linear.json"
+  small=(--shapes smollm2-135m llama-3.2-1b --modes FULL --batch-sizes 1 32 --warmup 3 --steps 15 --no-hf --no-plot)
+  step decode-pdl0 90 env GRAPHRUNNER_PDL=0 python3 scripts/bench_decode.py "${small[@]}" --json "$OUT/decode_pdl0.json"
+  step decode 90 python3 scripts/bench_decode.py "${small[@]}" --json "$OUT/decode.json"
+  if [[ -n ${OLD_TREE:-} ]]; then
+    step decode-old 90 env PYTHONPATH="$OLD_TREE:$PYTHONPATH" python3 "$OLD_TREE/scripts/bench_decode.py" "${small[@]}" \
+      --json "$OUT/decode_old.json"
+  fi
+  step profile-full 60 python3 scripts/profile_step.py --mode FULL --batch-size 1
+  step profile-1b 60 python3 scripts/profile_step.py --shape llama-3.2-1b --mode FULL --batch-size 1
 fi
 if [[ $STAGE == goals ]]; then
   step decode 150 python3 scripts/bench_decode.py --modes FULL PIECEWISE --warmup 3 --steps 15 --hf-max-batch 32 \

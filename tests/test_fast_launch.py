@@ -60,7 +60,7 @@ def test_second_call_reuses_the_compiled_kernel_with_triton_arguments():
 
 
 @pytest.mark.parametrize("change", ["constexpr", "dtype", "alignment", "int_is_one", "int_divisibility",
-                                    "int_64bit", "options", "device"])
+                                    "int_64bit", "options", "pdl", "device"])
 def test_every_specialisation_input_changes_the_key(change):
     fn, launch = _fake()
     base = torch.zeros(64)
@@ -81,10 +81,22 @@ def test_every_specialisation_input_changes_the_key(change):
         args[2] = 2 ** 40                            # not specialised, but i64 is another signature
     elif change == "options":
         options["num_warps"] = 8
+    elif change == "pdl":
+        options["launch_pdl"] = True
     else:
         options["device_index"] = 1
     launch((1,), *args, **options)
     assert len(fn.slow_calls) == 2 and launch.fast_launches == 0
+
+
+def test_launch_pdl_reaches_triton_only_when_set():
+    """A compile option of Triton's CUDA backend: passed on when set, left out otherwise (the
+    interpreter and older Tritons have no such option)."""
+    fn, launch = _fake()
+    launch((1,), torch.zeros(4), 32, 5, 0.5, 7, num_warps=4, num_stages=1, launch_pdl=True)
+    launch((1,), torch.zeros(4), 32, 5, 0.5, 8, num_warps=4, num_stages=1)
+    assert [call[2] for call in fn.slow_calls] == [{"num_warps": 4, "num_stages": 1, "launch_pdl": True},
+                                                   {"num_warps": 4, "num_stages": 1}]
 
 
 def test_disabled_by_the_switch_and_for_non_jit_functions(monkeypatch):

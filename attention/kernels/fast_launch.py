@@ -137,14 +137,17 @@ class FastLaunch:
         return self._key_fn(options, *args)
 
     def __call__(self, grid: tuple[int, ...], *args: Any, device_index: int = 0,
-                 num_warps: int = 4, num_stages: int = 3) -> None:
+                 num_warps: int = 4, num_stages: int = 3, launch_pdl: bool = False) -> None:
+        """`launch_pdl`: launch with programmatic dependent launch (attention/kernels/pdl.py); a
+        compile option, so part of the key (only passed on when set: the interpreter has no such option)."""
+        options = dict(num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if launch_pdl else {}))
         if self.kinds is None or not ENABLED or len(args) != len(self.kinds) or _launch_hooks_set():
-            self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
+            self.fn[grid](*args, **options)
             return
-        key = self._fast_key(args, (device_index, num_warps, num_stages))
+        key = self._fast_key(args, (device_index, num_warps, num_stages, launch_pdl))
         kernel = self.compiled.get(key)
         if kernel is None:
-            kernel = self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
+            kernel = self.fn[grid](*args, **options)
             if kernel is not None and hasattr(kernel, "function"):
                 self.compiled[key] = kernel
             return

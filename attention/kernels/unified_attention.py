@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from attention.kernels.fast_launch import FastLaunch, num_sms
+from attention.kernels.pdl import use_pdl, wait_for_producers
 
 LOG2E = 1.4426950408889634
 
@@ -49,8 +50,9 @@ def attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, REQ_CHUNK: tl.constexpr,
     SPLIT_KV: tl.constexpr, DOT_FP32: tl.constexpr, FUSED_MERGE: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
-    MAX_SPLITS: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_producers(PDL)   # no weights to fetch first: everything it reads comes from earlier kernels
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -197,9 +199,10 @@ def _store_normalised(dst, acc, l, mask):
 def merge_splits_kernel(
     out_ptr, qsl_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     num_reqs, num_q_heads, num_splits, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per (token row, query head): out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M)."""
+    wait_for_producers(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     dims = tl.arange(0, D_PAD)
@@ -303,7 +306,7 @@ def _constexprs(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: 
     block_m, block_q = tile_sizes(num_q_heads, num_kv_heads)
     return dict(GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
                 BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, REQ_CHUNK=REQ_CHUNK,
-                DOT_FP32=device.type == "cpu", **launch_config(device))
+                DOT_FP32=device.type == "cpu", PDL=use_pdl(device), **launch_config(device))
 
 
 _attention_launch = FastLaunch(attention_kernel)
@@ -364,13 +367,13 @@ def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Te
         q_stride[0], q_stride[1], out_stride[0], out_stride[1],
         cache_stride[0], cache_stride[1], cache_stride[2], cache_stride[3], table_stride[0],
         c["GROUP"], c["HEAD_DIM"], d_pad, c["BLOCK_SIZE"], c["BLOCK_M"], c["BLOCK_Q"], c["BLOCK_N"],
-        c["REQ_CHUNK"], num_splits > 1, c["DOT_FP32"], fused_merge, MIN_SPLIT_TILES, MAX_SPLITS,
-        device_index=device_index, num_warps=c["num_warps"], num_stages=c["num_stages"],
+        c["REQ_CHUNK"], num_splits > 1, c["DOT_FP32"], fused_merge, MIN_SPLIT_TILES, MAX_SPLITS, c["PDL"],
+        device_index=device_index, num_warps=c["num_warps"], num_stages=c["num_stages"], launch_pdl=c["PDL"],
     )
     if num_splits > 1 and not fused_merge:
         _merge_launch(
             (num_tokens, num_q_heads), out, query_start_loc, part_acc, part_max, part_sum,
             num_reqs, num_q_heads, num_splits, out_stride[0], out_stride[1],
-            head_dim, d_pad, MAX_SPLITS,
-            device_index=device_index, num_warps=1 if d_pad <= 64 else 2, num_stages=3,
+            head_dim, d_pad, MAX_SPLITS, c["PDL"],
+            device_index=device_index, num_warps=1 if d_pad <= 64 else 2, num_stages=3, launch_pdl=c["PDL"],
         )
