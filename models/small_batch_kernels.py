@@ -342,6 +342,10 @@ def _norm_qkv_rope_cache_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, q_out_
     offs_m = tl.arange(0, 1)
     m_mask = offs_m < 1
     w_next, w_h_next = _weight_tile(w_lo, HALF * K, 0, u_mask, K, True, BLOCK_K)
+    pos = tl.load(pos_ptr)                      # step metadata and the constant table: before the wait too
+    cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + d, mask=u_mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + d, mask=u_mask, other=0.0)
+    slot = tl.load(slot_ptr).to(tl.int64)
     wait_for_producers(PDL)
 
     if not ONE_TILE:   # pass 1: the row's rms (and residual_out, from program 0 only)
@@ -376,9 +380,6 @@ def _norm_qkv_rope_cache_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, q_out_
         hi += tl.load(b_ptr + col_lo + HALF, mask=u_mask, other=0.0).to(tl.float32)
     a = lo.to(out_ty).to(tl.float32)     # qkv as the GEMM would have stored it
     b = hi.to(out_ty).to(tl.float32)
-    pos = tl.load(pos_ptr)
-    cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + d, mask=u_mask, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + d, mask=u_mask, other=0.0)
     rotate = head < NUM_Q + NUM_KV
     out_lo = tl.where(rotate, (a * cos - b * sin).to(out_ty), a.to(out_ty))
     out_hi = tl.where(rotate, (b * cos + a * sin).to(out_ty), b.to(out_ty))
@@ -386,7 +387,6 @@ def _norm_qkv_rope_cache_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, q_out_
     q_mask = u_mask & (head < NUM_Q)
     tl.store(q_out_ptr + col_lo, out_lo, mask=q_mask)
     tl.store(q_out_ptr + col_lo + HALF, out_hi, mask=q_mask)
-    slot = tl.load(slot_ptr).to(tl.int64)
     if slot >= 0:   # -1: a padded row, nothing to cache
         kv = tl.where(head >= NUM_Q + NUM_KV, 1, 0)
         kv_head = head - NUM_Q - kv * NUM_KV

@@ -9,8 +9,12 @@ depend on earlier kernels (its weights) and blocks in `gdc_wait` until the earli
 finished and its memory is visible. CUDA graph capture records the same programmatic edges.
 
 The contract every kernel launched with `launch_pdl=True` keeps (`wait_for_producers`):
-- before the wait it reads only memory no earlier kernel of the step writes (weights, constant
-  tables) and writes nothing;
+- before the wait it reads only memory no kernel of the step writes, and writes nothing: weights,
+  constant tables (RoPE's cos/sin), and the step's metadata (positions, slots, query_start_loc,
+  seq_lens, block table), which the host uploads before the step's first kernel. Why that is safe
+  even though only the kernel right before is overlapped: a kernel is scheduled only after its
+  predecessor passed its own wait, i.e. after every kernel before that one (and every copy, which
+  never overlaps) has finished;
 - everything else (activations, metadata, KV cache, scratch, its outputs: a buffer it writes may
   still be read by the kernel before it) comes after the wait;
 - it signals its dependents only after its own wait, so at most two kernels overlap and the

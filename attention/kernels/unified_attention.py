@@ -52,11 +52,13 @@ def attention_kernel(
     SPLIT_KV: tl.constexpr, DOT_FP32: tl.constexpr, FUSED_MERGE: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
     MAX_SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
-    wait_for_producers(PDL)   # no weights to fetch first: everything it reads comes from earlier kernels
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
+    # Everything up to the PDL wait reads only the step's metadata (query_start_loc, seq_lens, the
+    # block table): uploaded before the step's first kernel and written by none, so with PDL these
+    # dependent loads overlap the kernel before, and after the wait the first K/V tile is one load away.
     # Which request owns this q block: the last r whose first virtual block is <= q_block. The
     # first virtual blocks grow with r, so the owners are a prefix: count them REQ_CHUNK at a time
     # (vectorised loads, no dependent binary search, and no batch-size constexpr to recompile for).
@@ -68,6 +70,23 @@ def attention_kernel(
     req = owners - 1
     q_start = tl.load(qsl_ptr + req)
     local_block = q_block - (q_start // BLOCK_Q + req)
+    is_req = req < num_reqs                        # else: a program past the last request
+    q_len = tl.load(qsl_ptr + req + 1, mask=is_req, other=0) - q_start
+    seq_len = tl.load(seq_lens_ptr + req, mask=is_req, other=0)
+    context_len = seq_len - q_len
+
+    # KV positions this q block needs, and this split's share of their tiles (at least
+    # MIN_SPLIT_TILES: the splits past `active` have none, and exit before loading q).
+    kv_end = tl.minimum(context_len + (local_block + 1) * BLOCK_Q, seq_len)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), MIN_SPLIT_TILES)
+    active = tl.cdiv(num_tiles, tiles_per_split)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    table_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    cols = tl.arange(0, BLOCK_N)
+    next_block = _tile_blocks(table_row, tile_lo, cols, kv_end, BLOCK_N, BLOCK_SIZE)   # the first tile's
+    wait_for_producers(PDL)   # q and the KV cache (this step's k/v) come from the kernels before
 
     rows = tl.arange(0, BLOCK_M)
     q_off = rows // GROUP
@@ -75,7 +94,7 @@ def attention_kernel(
     dims = tl.arange(0, D_PAD)
     dim_ok = dims < HEAD_DIM
 
-    if req >= num_reqs:
+    if not is_req:
         # Past the last request: zero padded token rows (with separate-kernel splits, the merge
         # kernel does it; every split program of this block writes the same zeros otherwise).
         if FUSED_MERGE or not SPLIT_KV:
@@ -85,24 +104,11 @@ def attention_kernel(
             tl.store(dst, tl.zeros([BLOCK_M, D_PAD], dtype=out_ptr.dtype.element_ty),
                      mask=pad_ok[:, None] & dim_ok[None, :])
         return
-
-    q_len = tl.load(qsl_ptr + req + 1) - q_start
     if local_block * BLOCK_Q >= q_len:
         return
-    seq_len = tl.load(seq_lens_ptr + req)
-    context_len = seq_len - q_len
-
-    # KV positions this q block needs, and this split's share of their tiles (at least
-    # MIN_SPLIT_TILES: the splits past `active` have none, and exit before loading q).
-    kv_end = tl.minimum(context_len + (local_block + 1) * BLOCK_Q, seq_len)
-    num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), MIN_SPLIT_TILES)
-    active = tl.cdiv(num_tiles, tiles_per_split)
     if FUSED_MERGE:
         if split >= active:
             return
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     q_idx = local_block * BLOCK_Q + q_off          # query index within the request
     row_ok = (q_off < BLOCK_Q) & (q_idx < q_len)
@@ -115,12 +121,11 @@ def attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    table_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    cols = tl.arange(0, BLOCK_N)
     for tile in range(tile_lo, tile_hi):
         pos = tile * BLOCK_N + cols
         pos_ok = pos < kv_end
-        block = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        block = next_block
+        next_block = _tile_blocks(table_row, tile + 1, cols, kv_end, BLOCK_N, BLOCK_SIZE)   # one tile ahead
         kv_off = block * stride_c_b + (pos % BLOCK_SIZE) * stride_c_s + kv_head * stride_c_h
         k = tl.load(cache_ptr + kv_off[None, :] + dims[:, None],
                     mask=pos_ok[None, :] & dim_ok[:, None], other=0.0)            # [D_PAD, BLOCK_N]
@@ -178,6 +183,13 @@ def attention_kernel(
                 o_all = o_all * alpha[:, None] + a_s * beta[:, None]
                 m_all = m_new
             _store_normalised(dst, o_all, l_all, out_mask)
+
+
+@triton.jit
+def _tile_blocks(table_row, tile, cols, kv_end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The physical KV block of each position of KV tile `tile` (int64; 0 past kv_end, unloaded)."""
+    pos = tile * BLOCK_N + cols
+    return tl.load(table_row + pos // BLOCK_SIZE, mask=pos < kv_end, other=0).to(tl.int64)
 
 
 @triton.jit
