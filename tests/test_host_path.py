@@ -69,10 +69,41 @@ def step_sequences(draw):
     return steps
 
 
+BUFFERS = ("input_ids", "positions", "slot_mapping", "token_request_index", "query_start_loc", "seq_lens",
+           "block_table", "placeholder_token_rows", "placeholder_sample_rows")
+
+
+def with_device_copies(batch: InputBatch, monkeypatch) -> list[str]:
+    """Give each buffer a "device" tensor of its own (a CPU clone), as on a GPU, so that an upload
+    really copies and a skipped one leaves stale rows; returns the log of uploaded buffer names."""
+    names = {}
+    for name in BUFFERS:
+        buffer = getattr(batch, name)
+        buffer.gpu = buffer.cpu.clone()
+        buffer._views.clear()
+        names[id(buffer)] = name
+    batch.on_device = True
+    log: list[str] = []
+    upload = type(batch.input_ids).upload
+    monkeypatch.setattr(type(batch.input_ids), "upload", lambda self, n: (log.append(names[id(self)]), upload(self, n)))
+    return log
+
+
 @settings(max_examples=150, deadline=None)
-@given(steps=step_sequences())
-def test_input_batch_incremental_block_table_matches_scratch(steps):
+@given(steps=step_sequences(), separate_device=st.booleans())
+def test_input_batch_incremental_block_table_matches_scratch(steps, separate_device):
+    """With `separate_device` the buffers have device copies, so the uploads the batch skips
+    (unchanged block table, query_start_loc, token_request_index) must not leave stale rows."""
     batch = InputBatch(64, MAX_REQS, MAX_BLOCKS, BS, torch.device("cpu"))
+    if separate_device:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            with_device_copies(batch, monkeypatch)
+            _check_steps(batch, steps)
+    else:
+        _check_steps(batch, steps)
+
+
+def _check_steps(batch: InputBatch, steps) -> None:
     for requests, padded_reqs in steps:
         token_ids, num_computed, block_ids, table_ids = (list(x) for x in zip(*requests))
         num_tokens = sum(map(len, token_ids))
@@ -83,14 +114,45 @@ def test_input_batch_incremental_block_table_matches_scratch(steps):
         assert (common.block_table.numpy() == table).all()
         assert common.slot_mapping.tolist() == slots + [-1, -1]
         assert common.token_request_index.tolist() == rows + [-1, -1]
-        assert batch.positions.np[:num_tokens].tolist() == positions
-        assert batch.input_ids.np[:num_tokens].tolist() == [t for ids in token_ids for t in ids]
+        assert batch.positions.gpu[:num_tokens].tolist() == positions
+        assert batch.input_ids.gpu[:num_tokens].tolist() == [t for ids in token_ids for t in ids]
         n = len(requests)
         assert common.query_start_loc.tolist() == qsl.tolist() + [num_tokens] * (padded_reqs - n)
         assert common.seq_lens.tolist() == seq_lens + [0] * (padded_reqs - n)
         assert common.num_computed_tokens_cpu.tolist() == num_computed + [0] * (padded_reqs - n)
         assert common.uniform_decode == (num_tokens == n)
         assert common.max_seq_len == max(seq_lens) and common.max_query_len == max(map(len, token_ids))
+
+
+def test_steady_decode_uploads_only_what_changed(monkeypatch):
+    """Async decode of the same requests: after the first step only seq_lens, slot_mapping and
+    positions are copied; input_ids come from the previous step's samples on the device; a new
+    block, a new request or a non-placeholder token brings the other copies back."""
+    batch = InputBatch(16, 4, MAX_BLOCKS, BS, torch.device("cpu"))
+    log = with_device_copies(batch, monkeypatch)
+
+    def step(starts, tables, sampled=None):
+        log.clear()
+        n = len(starts)
+        placeholders = None if sampled is None else (list(range(n)), list(range(n)), torch.tensor(sampled))
+        common = batch.prepare([[0]] * n, starts, [b for _, b in tables], n, n,
+                               block_table_ids=[t for t, _ in tables], placeholders=placeholders)
+        assert batch.input_ids.gpu[:n].tolist() == (sampled or [0] * n)
+        assert common.seq_lens.tolist() == [s + 1 for s in starts]
+        assert common.block_table.tolist() == [b + [0] * (MAX_BLOCKS - len(b)) for _, b in tables]
+        assert common.query_start_loc.tolist() == list(range(n + 1))
+        return sorted(log)
+
+    every = sorted(["query_start_loc", "token_request_index", "seq_lens", "slot_mapping", "positions",
+                    "block_table", "input_ids"])
+    assert step([5, 2], [(0, [3, 4]), (1, [6])]) == every
+    steady = ["positions", "seq_lens", "slot_mapping"]
+    assert step([6, 3], [(0, [3, 4]), (1, [6])], sampled=[11, 12]) == steady
+    assert step([7, 4], [(0, [3, 4]), (1, [6, 8])], sampled=[13, 14]) == sorted(steady + ["block_table"])
+    assert step([8, 5], [(0, [3, 4, 9]), (1, [6, 8])], sampled=[15, 16]) == sorted(steady + ["block_table"])
+    assert step([9, 6], [(0, [3, 4, 9]), (1, [6, 8])], sampled=[17, 18]) == steady
+    # A third request joins (its token is known, not a placeholder): every buffer goes again.
+    assert step([10, 7, 0], [(0, [3, 4, 9]), (1, [6, 8]), (2, [5])]) == every
 
 
 def test_input_batch_rows_follow_the_tables():
