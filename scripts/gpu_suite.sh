@@ -20,7 +20,9 @@
 #        s4split: FULL bs1 decode with the split-KV merge in-kernel or not, and MIN_SPLIT_TILES 1/2/4;
 #        s4goals: decode per mode with HF, cold capture + serving at 0.95, throughput (s3tests: the GPU tests).
 #        s5check: GPU tests, one-row bench_linear, FULL decode of SmolLM2 / Llama-3.2-1B with PDL off, on, and
-#                 (OLD_TREE=dir: a checkout of an earlier commit) the earlier code, FULL profiles.
+#                 (OLD_TREE=dir: a checkout of an earlier commit) the earlier code, FULL profiles;
+#        s5verify: GPU tests, decode FULL/PIECEWISE of SmolLM2 / Llama-3.2-1B, PIECEWISE host profile;
+#        s5goals: the goal figures (decode per mode with HF, cold capture + serving at 0.95, throughput).
 # Logs go to $OUT/suite.log, figures to $OUT/*.json and $OUT/*.png; a short table comes last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -175,6 +177,18 @@ if [[ $STAGE == s5check ]]; then  # session 5: PDL and the hand-pipelined K loop
   fi
   step profile-full 60 python3 scripts/profile_step.py --mode FULL --batch-size 1
   step profile-1b 60 python3 scripts/profile_step.py --shape llama-3.2-1b --mode FULL --batch-size 1
+fi
+if [[ $STAGE == s5verify ]]; then  # session 5: GPU tests of every change, then the small shapes per mode
+  step cuda-tests 240 python3 -m pytest -q -p no:cacheprovider -m cuda -rA tests --deselect tests/test_pipeline.py
+  step decode 120 python3 scripts/bench_decode.py --shapes smollm2-135m llama-3.2-1b --modes FULL PIECEWISE \
+    --batch-sizes 1 32 --warmup 3 --steps 15 --no-hf --no-plot --json "$OUT/decode.json"
+  step profile-pw 60 python3 scripts/profile_step.py --mode PIECEWISE --batch-size 1 --host-profile --top 25
+fi
+if [[ $STAGE == s5goals ]]; then  # session 5: the goal figures on HEAD
+  step decode 270 python3 scripts/bench_decode.py --modes FULL PIECEWISE --warmup 3 --steps 15 --hf-max-batch 32 \
+    --json "$OUT/decode.json" --plot "$OUT/decode.png"
+  step capture 150 python3 scripts/bench_capture.py --cold --gpu-memory-utilization 0.95 --serve 256 --json "$OUT/capture.json"
+  step throughput 100 python3 scripts/bench_throughput.py --json "$OUT/throughput.json"
 fi
 if [[ $STAGE == goals ]]; then
   step decode 150 python3 scripts/bench_decode.py --modes FULL PIECEWISE --warmup 3 --steps 15 --hf-max-batch 32 \

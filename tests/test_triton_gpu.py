@@ -259,3 +259,29 @@ def test_gpu_argmax_equals_torch(rows, vocab):
     x[0, vocab // 2] = x[0, vocab - 3] = 30.0        # a tie: the first wins
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
     assert torch.equal(argmax_rows(x.float()), x.float().argmax(dim=-1))
+
+
+@pytest.mark.parametrize("context", [40, 3000], ids=["one-split", "splits"])
+def test_step_attention_equals_unified_attention_per_layer(context):
+    """Four layers of one eager step (different KV caches, the same metadata): the bound relaunches
+    compute bit for bit what a full `unified_attention` call per layer does, split KV included."""
+    from attention.kernels.unified_attention import StepAttention
+
+    b = Batch(num_tokens=4, num_reqs=4, max_blocks=256, num_blocks=1024, block_size=16)
+    b.fill([1, 1, 1], [context, context // 2, 7], seed=3)
+    caches = [torch.randn_like(b.kv_cache, dtype=torch.float32).to(b.kv_cache.dtype) for _ in range(4)]
+    max_seq_len = int(b.seq_lens.max())
+    step = StepAttention(b.query_start_loc, b.seq_lens, b.block_table, max_seq_len)
+    got, want = [], []
+    for cache in caches:
+        out = torch.full_like(b.query, float("nan"))
+        step(b.query, cache, out, b.scale)
+        got.append(out)
+        ref = torch.full_like(b.query, float("nan"))
+        unified_attention(b.query, cache, ref, b.query_start_loc, b.seq_lens, b.block_table, b.scale,
+                          max_seq_len=max_seq_len)
+        want.append(ref)
+    torch.cuda.synchronize()
+    assert step.relaunches == 3
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)

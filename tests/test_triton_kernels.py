@@ -346,23 +346,35 @@ def test_backend_skips_the_kv_write_the_layer_did_and_fits_splits_only_outside_f
     from configs import CUDAGraphMode
 
     calls = []
+
+    class FakeStepAttention:
+        def __init__(self, qsl, seq_lens, block_table, max_seq_len):
+            self.max_seq_len = max_seq_len
+            calls.append("new step")
+
+        def __call__(self, query, kv_cache, out, scale):
+            calls.append(("attention", self.max_seq_len))
+
     monkeypatch.setattr(triton_paged, "write_kv", lambda *a: calls.append("write_kv"))
     monkeypatch.setattr(triton_paged, "unified_attention",
                         lambda *a, max_seq_len=None: calls.append(("attention", max_seq_len)))
+    monkeypatch.setattr(triton_paged, "StepAttention", FakeStepAttention)
     backend = triton_paged.TritonPagedBackend()
     assert backend.kv_written_by_layer
-    metadata = SimpleNamespace(slot_mapping=None, query_start_loc=None, seq_lens=None, block_table=None,
-                               max_seq_len=77)
     layer = SimpleNamespace(scale=1.0)
     q = torch.zeros(1, 1, 4)
     for mode, expected in [(CUDAGraphMode.NONE, 77), (CUDAGraphMode.PIECEWISE, 77), (CUDAGraphMode.FULL, None)]:
         calls.clear()
+        metadata = SimpleNamespace(slot_mapping=None, query_start_loc=None, seq_lens=None, block_table=None,
+                                   max_seq_len=77)   # a new object per step, as the runner's
         with set_forward_context(ForwardContext(metadata, [q], backend, mode)):
             backend.forward(layer, q, None, None, q, q, metadata)
-        assert calls == [("attention", expected)], mode
+            backend.forward(layer, q, None, None, q, q, metadata)   # the step's next layer
+        eager = mode != CUDAGraphMode.FULL
+        assert calls == ["new step"] * eager + [("attention", expected)] * 2, mode
     calls.clear()
     backend.forward(layer, q, q, q, q, q, metadata)  # outside a forward: eager, writes the cache itself
-    assert calls == ["write_kv", ("attention", 77)]
+    assert calls == ["write_kv", "new step", ("attention", 77)]
 
 
 def test_attention_layer_uses_the_fused_rope_and_cache_write_when_the_backend_allows(monkeypatch):
@@ -422,3 +434,38 @@ def test_split_count_from_padded_shapes_and_fitted_to_the_context_when_eager(mon
     assert ua.default_num_splits(1, 1, 8, cuda, max_seq_len=5 * per_split) == 4  # a power of two
     assert ua.default_num_splits(1, 1, 8, cuda, max_seq_len=4096) == 16
     assert ua.default_num_splits(1, 1, 8, torch.device("cpu"), max_seq_len=4096) == 1
+
+
+def test_step_attention_relaunches_the_first_layers_launch_with_each_layers_tensors(monkeypatch):
+    """Layers of one step: the first binds the launch, the others relaunch it with their own q, KV
+    cache and out; the arguments are exactly those `unified_attention` would pass. A layer whose
+    tensors differ (here: another dtype) takes the full path. A fake launcher stands in for
+    FastLaunch, which only binds compiled kernels (a GPU test runs the real one)."""
+    from attention.kernels import unified_attention as ua
+
+    calls = []
+
+    class FakeLaunch:
+        def __call__(self, grid, *args, device_index=0, num_warps=4, num_stages=3, launch_pdl=False):
+            calls.append(("launch", grid, args))
+            return "compiled kernel"
+
+        def relaunch(self, kernel, grid, args, device_index=0):
+            assert kernel == "compiled kernel"
+            calls.append(("relaunch", grid, args))
+
+    monkeypatch.setattr(ua, "_attention_launch", FakeLaunch())
+    b = make_batch([1, 1, 1], [5, 17, 30], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4, pad_reqs=1)
+    caches = [b.kv_cache.clone() for _ in range(3)] + [b.kv_cache.double()]
+    queries = [b.query] * 3 + [b.query.double()]
+    outs = [torch.empty_like(q) for q in queries]
+    step = ua.StepAttention(b.query_start_loc, b.seq_lens, b.block_table, max_seq_len=31)
+    for query, cache, out in zip(queries, caches, outs):
+        step(query, cache, out, b.scale)
+    assert [kind for kind, _, _ in calls] == ["launch", "relaunch", "relaunch", "launch"]
+    assert step.relaunches == 2
+    for (_, grid, args), query, cache, out in zip(calls, queries, caches, outs):
+        want = ua._plan(query, cache, out, b.query_start_loc, b.seq_lens, b.block_table, b.scale, None, 31)
+        assert grid == want.grid and len(args) == len(want.args)
+        for got, expected in zip(args, want.args):
+            assert got is expected if isinstance(expected, torch.Tensor) else got == expected

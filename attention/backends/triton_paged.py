@@ -18,7 +18,7 @@ from attention.backends.base import AttentionBackend, AttentionCGSupport
 from attention.forward_context import current_runtime_mode
 from attention.kernels.kv_write import write_kv
 from attention.backends.torch_sdpa import TorchSDPABackend
-from attention.kernels.unified_attention import unified_attention
+from attention.kernels.unified_attention import StepAttention, unified_attention
 from attention.metadata import CommonAttentionMetadata
 from configs.graph_mode import CUDAGraphMode
 
@@ -30,6 +30,9 @@ class TritonPagedBackend(AttentionBackend):
     name: ClassVar[str] = "triton"
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
     kv_written_by_layer: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        self._step: tuple[CommonAttentionMetadata, StepAttention] | None = None
 
     def build_metadata(self, common: CommonAttentionMetadata) -> CommonAttentionMetadata:
         """The kernels read the common tensors directly: nothing to derive, nothing to copy."""
@@ -44,7 +47,19 @@ class TritonPagedBackend(AttentionBackend):
         if key is not None:
             write_kv(key, value, kv_cache, metadata.slot_mapping)
         # A FULL graph freezes the launch, so only padded shapes may pick the split count; an eager
-        # call (NONE, or a PIECEWISE break) can fit it to this step's longest context.
-        frozen = current_runtime_mode() == CUDAGraphMode.FULL
-        unified_attention(query, kv_cache, out, metadata.query_start_loc, metadata.seq_lens,
-                          metadata.block_table, layer.scale, max_seq_len=None if frozen else metadata.max_seq_len)
+        # call (NONE, or a PIECEWISE break) can fit it to this step's longest context, and the
+        # step's layers share one bound launch (StepAttention: less host time per layer).
+        if current_runtime_mode() == CUDAGraphMode.FULL:
+            unified_attention(query, kv_cache, out, metadata.query_start_loc, metadata.seq_lens,
+                              metadata.block_table, layer.scale)
+            return
+        self._step_attention(metadata)(query, kv_cache, out, layer.scale)
+
+    def _step_attention(self, metadata: CommonAttentionMetadata) -> StepAttention:
+        """The StepAttention of this step: made by its first layer, kept while the metadata object
+        (one per step) is the same."""
+        step = self._step
+        if step is None or step[0] is not metadata:
+            step = self._step = (metadata, StepAttention(metadata.query_start_loc, metadata.seq_lens,
+                                                         metadata.block_table, metadata.max_seq_len))
+        return step[1]

@@ -137,20 +137,29 @@ class FastLaunch:
         return self._key_fn(options, *args)
 
     def __call__(self, grid: tuple[int, ...], *args: Any, device_index: int = 0,
-                 num_warps: int = 4, num_stages: int = 3, launch_pdl: bool = False) -> None:
+                 num_warps: int = 4, num_stages: int = 3, launch_pdl: bool = False) -> Any:
         """`launch_pdl`: launch with programmatic dependent launch (attention/kernels/pdl.py); a
-        compile option, so part of the key (only passed on when set: the interpreter has no such option)."""
+        compile option, so part of the key (only passed on when set: the interpreter has no such option).
+        Returns the CompiledKernel that ran when the fast path applies (for `relaunch`), else None."""
         options = dict(num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if launch_pdl else {}))
         if self.kinds is None or not ENABLED or len(args) != len(self.kinds) or _launch_hooks_set():
             self.fn[grid](*args, **options)
-            return
+            return None
         key = self._fast_key(args, (device_index, num_warps, num_stages, launch_pdl))
         kernel = self.compiled.get(key)
         if kernel is None:
             kernel = self.fn[grid](*args, **options)
-            if kernel is not None and hasattr(kernel, "function"):
-                self.compiled[key] = kernel
-            return
+            if kernel is None or not hasattr(kernel, "function"):
+                return None
+            self.compiled[key] = kernel
+            return kernel
+        self.relaunch(kernel, grid, args, device_index)
+        return kernel
+
+    def relaunch(self, kernel: Any, grid: tuple[int, ...], args: tuple, device_index: int = 0) -> None:
+        """Launch `kernel` (returned by a call) again with arguments of the same key, without
+        computing the key: the caller vouches for every dtype, alignment, specialised integer and
+        constexpr (unified_attention.StepAttention checks what can change between its calls)."""
         grid_1 = grid[1] if len(grid) > 1 else 1
         grid_2 = grid[2] if len(grid) > 2 else 1
         kernel.run(grid[0], grid_1, grid_2, self.stream_of(device_index), kernel.function,

@@ -333,6 +333,30 @@ def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Te
     its KV is the first seq_lens[r] positions of its block_table row. Rows past
     query_start_loc[-1] are set to 0. No host sync, no value-dependent allocation: capturable.
     `max_seq_len` (eager calls only: a graph would freeze it) lets the split count fit the step."""
+    launch = _plan(query, kv_cache, out, query_start_loc, seq_lens, block_table, scale, num_splits, max_seq_len)
+    if launch is not None:
+        launch.run()
+
+
+class _Launch:
+    """One attention launch, its arguments bound (the split merge's too, when it needs its own kernel)."""
+
+    def __init__(self, grid: tuple, args: tuple, options: dict, merge: tuple | None) -> None:
+        self.grid, self.args, self.options, self.merge = grid, args, options, merge
+
+    def run(self):
+        """Launch; returns the attention kernel FastLaunch ran (None: it took Triton's own path)."""
+        kernel = _attention_launch(self.grid, *self.args, **self.options)
+        if self.merge is not None:
+            grid, args, options = self.merge
+            _merge_launch(grid, *args, **options)
+        return kernel
+
+
+def _plan(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor,
+          seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, num_splits: int | None,
+          max_seq_len: int | None) -> _Launch | None:
+    """Check the arguments and bind the launch (None: nothing to launch)."""
     # Eager PIECEWISE calls this once per layer per step: each tensor's shape and strides are read
     # once (every .stride(i) call is a dispatch), and no Triton helper runs on the host.
     num_tokens, num_q_heads, head_dim = query.shape
@@ -349,10 +373,10 @@ def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Te
     if q_stride[2] != 1 or out_stride[2] != 1 or cache_stride[4] != 1 or table_stride[1] != 1:
         raise ValueError("unified_attention needs a contiguous head dim and contiguous block_table rows")
     if num_tokens == 0:
-        return
+        return None
     if num_reqs == 0:
         out.zero_()
-        return
+        return None
     if num_splits is None:
         num_splits = default_num_splits(num_tokens, num_reqs, num_kv_heads, query.device, max_seq_len)
     if not 1 <= num_splits <= MAX_SPLITS:
@@ -368,24 +392,72 @@ def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Te
         part_max = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=device)
         part_sum = torch.empty_like(part_max)
     else:
-        part_acc = part_max = part_sum = out          # unused
+        part_acc = part_max = part_sum = seq_lens     # unused (not `out`: StepAttention keeps these)
     c = constexprs
     device_index = device.index or 0
     # Every parameter positionally, constexprs included, in signature order (FastLaunch's contract).
-    _attention_launch(
-        grid, query, kv_cache, out, query_start_loc, seq_lens, block_table,
-        part_acc, part_max, part_sum, tickets if tickets is not None else seq_lens,
-        scale * LOG2E, num_tokens, num_reqs, num_q_heads, num_splits,
-        q_stride[0], q_stride[1], out_stride[0], out_stride[1],
-        cache_stride[0], cache_stride[1], cache_stride[2], cache_stride[3], table_stride[0],
-        c["GROUP"], c["HEAD_DIM"], d_pad, c["BLOCK_SIZE"], c["BLOCK_M"], c["BLOCK_Q"], c["BLOCK_N"],
-        c["REQ_CHUNK"], num_splits > 1, c["DOT_FP32"], fused_merge, MIN_SPLIT_TILES, MAX_SPLITS, c["PDL"],
-        device_index=device_index, num_warps=c["num_warps"], num_stages=c["num_stages"], launch_pdl=c["PDL"],
-    )
+    # query, kv_cache and out come first: StepAttention swaps them per layer.
+    args = (query, kv_cache, out, query_start_loc, seq_lens, block_table,
+            part_acc, part_max, part_sum, tickets if tickets is not None else seq_lens,
+            scale * LOG2E, num_tokens, num_reqs, num_q_heads, num_splits,
+            q_stride[0], q_stride[1], out_stride[0], out_stride[1],
+            cache_stride[0], cache_stride[1], cache_stride[2], cache_stride[3], table_stride[0],
+            c["GROUP"], c["HEAD_DIM"], d_pad, c["BLOCK_SIZE"], c["BLOCK_M"], c["BLOCK_Q"], c["BLOCK_N"],
+            c["REQ_CHUNK"], num_splits > 1, c["DOT_FP32"], fused_merge, MIN_SPLIT_TILES, MAX_SPLITS, c["PDL"])
+    options = dict(device_index=device_index, num_warps=c["num_warps"], num_stages=c["num_stages"],
+                   launch_pdl=c["PDL"])
+    merge = None
     if num_splits > 1 and not fused_merge:
-        _merge_launch(
-            (num_tokens, num_q_heads), out, query_start_loc, part_acc, part_max, part_sum,
-            num_reqs, num_q_heads, num_splits, out_stride[0], out_stride[1],
-            head_dim, d_pad, MAX_SPLITS, c["PDL"],
-            device_index=device_index, num_warps=1 if d_pad <= 64 else 2, num_stages=3, launch_pdl=c["PDL"],
-        )
+        merge = ((num_tokens, num_q_heads),
+                 (out, query_start_loc, part_acc, part_max, part_sum, num_reqs, num_q_heads, num_splits,
+                  out_stride[0], out_stride[1], head_dim, d_pad, MAX_SPLITS, c["PDL"]),
+                 dict(device_index=device_index, num_warps=1 if d_pad <= 64 else 2, num_stages=3, launch_pdl=c["PDL"]))
+    return _Launch(grid, args, options, merge)
+
+
+def _layer_key(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scale: float) -> tuple:
+    """What may differ between two layers' calls and would change the launch: shapes, strides,
+    dtypes, 16-byte alignment (Triton specialises on it), the scale."""
+    return (query.shape, query.stride(), query.dtype, query.data_ptr() % 16 == 0, out.shape, out.stride(),
+            out.dtype, out.data_ptr() % 16 == 0, kv_cache.shape, kv_cache.stride(), kv_cache.dtype,
+            kv_cache.data_ptr() % 16 == 0, scale)
+
+
+class StepAttention:
+    """`unified_attention` for the eager calls of one step (every layer of a PIECEWISE replay or a
+    NONE step), at a fraction of the host cost: the first call checks and binds the launch (split
+    count, grid, strides, scratch, the compiled kernel); later calls whose q, KV cache and out have
+    that call's shapes, strides, dtypes and alignment (`_layer_key`; the layers of a model do)
+    swap in their three tensors and relaunch the compiled kernel directly. Why: a PIECEWISE step
+    of a 30-layer model launches attention 30 times from Python, and the checks, the split choice
+    and FastLaunch's key cost more host time than the launch itself. A layer that differs, a split
+    merge that needs its own kernel, or Triton's ordinary launch path (hooks, interpreter) falls
+    back to `unified_attention` for that call. Split scratch is shared by the step's layers
+    (they run one after another on the stream). Never use one across steps: it keeps `max_seq_len`."""
+
+    def __init__(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                 max_seq_len: int | None) -> None:
+        self.metadata = (query_start_loc, seq_lens, block_table)
+        self.max_seq_len = max_seq_len
+        self._key: tuple | None = None
+        self._kernel = None
+        self._grid: tuple = ()
+        self._rest: tuple = ()   # every argument after query, kv_cache, out (not those: no memory kept alive)
+        self._device_index = 0
+        self.relaunches = 0
+        """Calls that took the bound launch (for tests)."""
+
+    def __call__(self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+        key = _layer_key(query, kv_cache, out, scale)
+        if self._kernel is not None and key == self._key:
+            _attention_launch.relaunch(self._kernel, self._grid, (query, kv_cache, out) + self._rest,
+                                       self._device_index)
+            self.relaunches += 1
+            return
+        launch = _plan(query, kv_cache, out, *self.metadata, scale, None, self.max_seq_len)
+        if launch is None:
+            return
+        kernel = launch.run()
+        if kernel is not None and launch.merge is None and self._kernel is None:
+            self._key, self._kernel, self._grid = key, kernel, launch.grid
+            self._rest, self._device_index = launch.args[3:], launch.options["device_index"]
