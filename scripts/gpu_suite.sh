@@ -22,7 +22,8 @@
 #        s5check: GPU tests, one-row bench_linear, FULL decode of SmolLM2 / Llama-3.2-1B with PDL off, on, and
 #                 (OLD_TREE=dir: a checkout of an earlier commit) the earlier code, FULL profiles;
 #        s5verify: GPU tests, decode FULL/PIECEWISE of SmolLM2 / Llama-3.2-1B, PIECEWISE host profile;
-#        s5goals: the goal figures (decode per mode with HF, cold capture + serving at 0.95, throughput).
+#        s5goals: the goal figures (decode per mode with HF, cold capture + serving at 0.95, throughput);
+#        s5host: FULL bs1 host profile, capture cold then warm, SmolLM2 decode FULL/PIECEWISE.
 # Logs go to $OUT/suite.log, figures to $OUT/*.json and $OUT/*.png; a short table comes last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -189,6 +190,13 @@ if [[ $STAGE == s5goals ]]; then  # session 5: the goal figures on HEAD
     --json "$OUT/decode.json" --plot "$OUT/decode.png"
   step capture 150 python3 scripts/bench_capture.py --cold --gpu-memory-utilization 0.95 --serve 256 --json "$OUT/capture.json"
   step throughput 100 python3 scripts/bench_throughput.py --json "$OUT/throughput.json"
+fi
+if [[ $STAGE == s5host ]]; then  # session 5: where the host time of a SmolLM2 step goes; capture cold and warm
+  step profile-full 60 python3 scripts/profile_step.py --mode FULL --batch-size 1 --host-profile --top 45
+  step capture 150 python3 scripts/bench_capture.py --cold --modes FULL_AND_PIECEWISE FULL_AND_PIECEWISE \
+    --json "$OUT/capture.json"
+  step decode 60 python3 scripts/bench_decode.py --shapes smollm2-135m --modes FULL PIECEWISE --batch-sizes 1 32 \
+    --warmup 3 --steps 15 --no-hf --no-plot --json "$OUT/decode.json"
 fi
 if [[ $STAGE == goals ]]; then
   step decode 150 python3 scripts/bench_decode.py --modes FULL PIECEWISE --warmup 3 --steps 15 --hf-max-batch 32 \
