@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import ClassVar
 
 import torch
 
 from attention.backends import get_attention_backend
-from attention.forward_context import ForwardContext, set_forward_context
+from attention.forward_context import ForwardContext, get_forward_context, set_forward_context
 from configs import CUDAGraphMode, EngineConfig, SamplingParams
 from models.hf_config import ModelSpec
 from models.llama import IntermediateTensors
@@ -28,6 +29,21 @@ from runner.sampler import Sampler, SamplingMetadata, argmax_rows, make_generato
 from runner.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class DecodeOutput:
+    """The forward of a uniform-decode step replayed from a graph, on the last stage: the hidden
+    rows plus what sampling needs, computed inside the graph: every row's logits (model dtype) and
+    their greedy argmax. Why: after the replay the host would otherwise launch the LM head and the
+    two argmax kernels eagerly, ~0.1 ms of host time per step (SmolLM2 bs1 on an H100, run T); a
+    greedy step now only copies the tokens out. The logits stay in the graph pool (`pool_fields`:
+    a FULL graph copies out hidden and the tokens only), valid until the next replay: the step's
+    sampling is enqueued before any later replay."""
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    greedy: torch.Tensor
+    pool_fields: ClassVar[tuple[str, ...]] = ("logits",)
 
 
 class ModelRunner:
@@ -85,7 +101,7 @@ class ModelRunner:
     def _build_graph_wrappers(self, pool) -> None:
         """FULL wraps PIECEWISE wraps the model: each acts only when the forward context's runtime
         mode is its own, so one callable serves every mode the dispatcher picks."""
-        forward = self.model.forward
+        forward = self._model_forward
         debug = self.config.compilation.debug_cudagraph_addresses
         self.piecewise = self.full = None
         if self.cudagraph_mode.has_piecewise():
@@ -95,6 +111,18 @@ class ModelRunner:
             forward = self.full = CUDAGraphWrapper(forward, CUDAGraphMode.FULL, pool, self.capture_phase, debug,
                                                    self.graph_factory)
         self.forward = forward
+
+    def _model_forward(self, input_ids, positions, intermediate=None):
+        """The model's forward, and for a uniform-decode step in a graph mode on the last stage also
+        the logits and greedy tokens of every (padded) row, so the graph computes them: a
+        `DecodeOutput`. Eager steps (NONE, the profile run) and mixed batches return the hidden rows."""
+        hidden = self.model.forward(input_ids, positions, intermediate)
+        context = get_forward_context()
+        desc = context.batch_descriptor
+        if desc is None or not desc.uniform_decode or not self.model.model.is_last or context.kv_caches is None:
+            return hidden
+        logits = self.model.compute_logits(hidden, float32=False)
+        return DecodeOutput(hidden, logits, argmax_rows(logits))
 
     def intermediate_view(self, num_tokens: int) -> IntermediateTensors | None:
         """Views [:num_tokens] of the persistent receive buffers (None on the first stage)."""
@@ -177,9 +205,9 @@ class ModelRunner:
         self.cuda_graph_ready = True
 
     def measure_graph_reserve(self) -> int:
-        """Bytes the graphs will take: the largest graph of each runtime mode captured once into a
-        throwaway pool of its own (against a one-block scratch KV cache) and measured; the
-        reserve is the largest of these. That is the whole cost, not a sample of it: the real
+        """Bytes the graphs will take: the largest graph of each runtime mode (uniform-decode and
+        mixed separately: the first computes the logits too) captured once into a throwaway pool of
+        its own (against a one-block scratch KV cache) and measured; the reserve is the largest of these. That is the whole cost, not a sample of it: the real
         captures go largest first into ONE pool shared by both modes, every later graph reuses
         the blocks the earlier ones freed, and no graph keeps an output of its own (see
         `CUDAGraphWrapper`), so the pool peaks at the most any single graph needs. (Capturing
@@ -187,9 +215,9 @@ class ModelRunner:
         docs/PERFORMANCE.md.)"""
         if self.cudagraph_mode == CUDAGraphMode.NONE or self.device.type != "cuda":
             return 0
-        largest = {}
+        largest = {}   # per mode, the largest uniform-decode graph (it holds the LM head: DecodeOutput) and mixed one
         for mode, desc in self.dispatcher.all_keys_to_capture():
-            largest.setdefault(mode, desc)
+            largest.setdefault((mode, desc.uniform_decode), desc)
 
         def release() -> None:  # drop the throwaway graphs before the measurement empties the cache
             self._build_graph_wrappers(None)
@@ -204,7 +232,7 @@ class ModelRunner:
             return measure_graph_memory(capture_largest, release=release)
 
         try:
-            self.graph_reserve_bytes = max(measure(mode, desc) for mode, desc in largest.items())
+            self.graph_reserve_bytes = max(measure(mode, desc) for (mode, _), desc in largest.items())
         finally:
             self.kv_caches = None
             self._build_graph_wrappers(graph_pool())
@@ -286,14 +314,26 @@ class ModelRunner:
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
-    def _sampling_logits(self, reqs: list[ScheduledRequest], rows: list[int], hidden: torch.Tensor,
-                         common, float32: bool = True) -> torch.Tensor:
-        """The logits of the sampling rows (`sample`, `sample_async`); row indices, when needed, are
-        uploaded without a host sync."""
+    def _sampling_logits(self, reqs: list[ScheduledRequest], rows: list[int], out, common,
+                         float32: bool = True) -> torch.Tensor:
+        """The logits of the sampling rows (`sample`, `sample_async`) from the forward's output (the
+        hidden rows, or a DecodeOutput); row indices, when needed, are uploaded without a host sync."""
+        if isinstance(out, DecodeOutput):
+            if len(rows) == len(reqs):   # every row samples: the graph computed their logits
+                logits = out.logits[:len(reqs)]
+                return logits.float() if float32 else logits
+            out = out.hidden
         if common.uniform_decode and len(rows) == len(reqs):  # row i's one token is hidden row i: no gather
-            return self.model.compute_logits(hidden[:len(reqs)], float32)
+            return self.model.compute_logits(out[:len(reqs)], float32)
         last_token = common.query_start_loc_cpu[torch.tensor(rows) + 1].long() - 1
-        return self.model.compute_logits(hidden[self._to_device(last_token)], float32)
+        return self.model.compute_logits(out[self._to_device(last_token)], float32)
+
+    def _greedy_tokens(self, reqs: list[ScheduledRequest], rows: list[int], out, common) -> torch.Tensor:
+        """Greedy tokens of the sampling rows: the graph's (DecodeOutput, every row samples) or the
+        argmax of their logits in the model dtype (same index, one conversion kernel less)."""
+        if isinstance(out, DecodeOutput) and len(rows) == len(reqs):
+            return out.greedy[:len(reqs)]
+        return argmax_rows(self._sampling_logits(reqs, rows, out, common, float32=False))
 
     def _generators(self, reqs: list[ScheduledRequest], rows: list[int]) -> dict[int, torch.Generator]:
         generators = {}
@@ -314,11 +354,11 @@ class ModelRunner:
             return PendingOutput.ready(ModelRunnerOutput({}))
         params = [reqs[i].sampling_params for i in rows]
         greedy = all(p.temperature == 0.0 and p.logprobs is None for p in params)
-        logits = self._sampling_logits(reqs, rows, hidden, common, float32=not greedy)
         logprobs = None
         if greedy:
-            sampled = argmax_rows(logits)  # in the model dtype: same index, one conversion kernel less
+            sampled = self._greedy_tokens(reqs, rows, hidden, common)
         else:
+            logits = self._sampling_logits(reqs, rows, hidden, common)
             metadata = SamplingMetadata.from_params(params, self._generators(reqs, rows), "cpu")
             if self.device.type != "cpu":
                 metadata = dataclasses.replace(
@@ -355,10 +395,10 @@ class ModelRunner:
             return ModelRunnerOutput({})
         params = [reqs[i].sampling_params for i in rows]
         greedy = all(p.temperature == 0.0 and p.logprobs is None for p in params)
-        logits = self._sampling_logits(reqs, rows, hidden, common, float32=not greedy)
         if greedy:
-            token_ids = argmax_rows(logits).tolist()  # the common greedy case: no sampling metadata
+            token_ids = self._greedy_tokens(reqs, rows, hidden, common).tolist()  # no sampling metadata
             return ModelRunnerOutput(dict(zip([reqs[i].request_id for i in rows], token_ids)))
+        logits = self._sampling_logits(reqs, rows, hidden, common)
         result = self.sampler(logits, SamplingMetadata.from_params(params, self._generators(reqs, rows), self.device))
         token_ids = result.sampled_token_ids.tolist()
         sampled = {reqs[i].request_id: token_ids[row] for row, i in enumerate(rows)}

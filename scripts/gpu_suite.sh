@@ -23,7 +23,8 @@
 #                 (OLD_TREE=dir: a checkout of an earlier commit) the earlier code, FULL profiles;
 #        s5verify: GPU tests, decode FULL/PIECEWISE of SmolLM2 / Llama-3.2-1B, PIECEWISE host profile;
 #        s5goals: the goal figures (decode per mode with HF, cold capture + serving at 0.95, throughput);
-#        s5host: FULL bs1 host profile, capture cold then warm, SmolLM2 decode FULL/PIECEWISE.
+#        s5host: FULL bs1 host profile, capture cold then warm, SmolLM2 decode FULL/PIECEWISE;
+#        s5head: GPU tests, decode FULL/PIECEWISE of the small shapes, capture + serving at 0.95, FULL host profile.
 # Logs go to $OUT/suite.log, figures to $OUT/*.json and $OUT/*.png; a short table comes last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -197,6 +198,13 @@ if [[ $STAGE == s5host ]]; then  # session 5: where the host time of a SmolLM2 s
     --json "$OUT/capture.json"
   step decode 60 python3 scripts/bench_decode.py --shapes smollm2-135m --modes FULL PIECEWISE --batch-sizes 1 32 \
     --warmup 3 --steps 15 --no-hf --no-plot --json "$OUT/decode.json"
+fi
+if [[ $STAGE == s5head ]]; then  # session 5: the LM head and greedy argmax inside decode graphs
+  step cuda-tests 240 python3 -m pytest -q -p no:cacheprovider -m cuda -rA tests --deselect tests/test_pipeline.py
+  step decode 120 python3 scripts/bench_decode.py --shapes smollm2-135m llama-3.2-1b --modes FULL PIECEWISE \
+    --batch-sizes 1 32 --warmup 3 --steps 15 --no-hf --no-plot --json "$OUT/decode.json"
+  step capture 120 python3 scripts/bench_capture.py --gpu-memory-utilization 0.95 --serve 256 --json "$OUT/capture.json"
+  step profile-full 60 python3 scripts/profile_step.py --mode FULL --batch-size 1 --host-profile --top 30
 fi
 if [[ $STAGE == goals ]]; then
   step decode 150 python3 scripts/bench_decode.py --modes FULL PIECEWISE --warmup 3 --steps 15 --hf-max-batch 32 \

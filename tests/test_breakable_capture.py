@@ -300,6 +300,43 @@ def test_full_output_is_persistent_for_dataclass_outputs():
     torch.testing.assert_close(out.hidden, expected(x, 2.0))
 
 
+def test_full_output_pool_fields_stay_in_the_graph_and_are_not_copied():
+    """A dataclass's `pool_fields` (a decode step's logits) are returned as the graph's own tensor,
+    updated by each replay, while the other fields are copied into the shared buffers; graphs of
+    outputs with and without pool fields share the buffers that match."""
+    @dataclass
+    class Decoded:
+        hidden: torch.Tensor
+        logits: torch.Tensor
+        pool_fields = ("logits",)
+
+    def forward(x):
+        hidden = toy_forward(x)
+        if x.shape[0] == 1:   # "uniform decode": the logits too
+            logits = torch.empty(1, 5)
+            launch(lambda: torch.mul(hidden.sum(dim=1, keepdim=True), torch.ones(1, 5), out=logits))
+            return Decoded(hidden, logits)
+        return Decoded(hidden, None)
+
+    phase = CapturePhase()
+    wrapper = CUDAGraphWrapper(forward, M.FULL, None, phase, False, FakeGraphForTests)
+    x2, x1 = torch.randn(2, 2), torch.randn(1, 2)
+    with phase.capturing():
+        with set_forward_context(_context(M.FULL, BD(2, 2, False))):
+            out2 = wrapper(x2)
+        with set_forward_context(_context(M.FULL, BD(1, 1, True))):
+            out1 = wrapper(x1)
+    assert out2.logits is None
+    assert out1.hidden.data_ptr() == out2.hidden.data_ptr()   # one shared buffer for hidden
+    copies_before = len(wrapper._shared_output)
+    x1.copy_(torch.randn(1, 2))
+    with set_forward_context(_context(M.FULL, BD(1, 1, True))):
+        again = wrapper(x1)
+    assert again.logits.data_ptr() == out1.logits.data_ptr() and len(wrapper._shared_output) == copies_before
+    torch.testing.assert_close(again.hidden, expected(x1, 2.0))
+    torch.testing.assert_close(again.logits, expected(x1, 2.0).sum(dim=1, keepdim=True).expand(1, 5))
+
+
 def test_full_graphs_of_one_wrapper_share_their_output_buffers():
     """Largest first: every later graph's output is a view [:rows] of the first one's buffers, so
     the graphs together hold one output, not one each; a larger later output grows the buffers."""

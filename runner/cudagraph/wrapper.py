@@ -28,29 +28,39 @@ from runner.cudagraph.capture import CapturePhase
 from runner.cudagraph.dispatcher import BatchDescriptor
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    """Tensors of an output (tensor, list/tuple, dict, dataclass such as IntermediateTensors) in order."""
+def _pool_fields(obj: Any) -> tuple[str, ...]:
+    """Fields of an output dataclass that a FULL graph leaves in the pool instead of copying out
+    (`pool_fields`, e.g. a decode step's logits: rows x vocab, too big to copy every step)."""
+    return getattr(obj, "pool_fields", ())
+
+
+def _tensors(obj: Any, pooled: bool = True) -> list[torch.Tensor]:
+    """Tensors of an output (tensor, list/tuple, dict, dataclass such as IntermediateTensors) in
+    order; `pooled=False` leaves out a dataclass's `pool_fields`."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
+        return [t for v in obj for t in _tensors(v, pooled)]
     if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
+        return [t for v in obj.values() for t in _tensors(v, pooled)]
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [t for f in dataclasses.fields(obj) for t in _tensors(getattr(obj, f.name))]
+        skip = () if pooled else _pool_fields(obj)
+        return [t for f in dataclasses.fields(obj) if f.name not in skip for t in _tensors(getattr(obj, f.name), pooled)]
     return []
 
 
-def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any, pooled: bool = True) -> Any:
+    """`obj` with `fn` applied to its tensors (`pooled=False`: not to a dataclass's `pool_fields`)."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(fn, v) for v in obj)
+        return type(obj)(_map_tensors(fn, v, pooled) for v in obj)
     if isinstance(obj, dict):
-        return {k: _map_tensors(fn, v) for k, v in obj.items()}
+        return {k: _map_tensors(fn, v, pooled) for k, v in obj.items()}
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _map_tensors(fn, getattr(obj, f.name))
-                                           for f in dataclasses.fields(obj) if f.init})
+        skip = () if pooled else _pool_fields(obj)
+        return dataclasses.replace(obj, **{f.name: _map_tensors(fn, getattr(obj, f.name), pooled)
+                                           for f in dataclasses.fields(obj) if f.init and f.name not in skip})
     return obj
 
 
@@ -60,8 +70,9 @@ class _Entry:
     """A GraphLike (FULL) or a BreakableGraph (PIECEWISE)."""
     output: Any
     """Where a replay leaves its result. FULL: views [:num_tokens] of the wrapper's shared output
-    buffers, which the graph copies its result into; PIECEWISE: a non-owning alias of the last
-    segment's output in the pool. Either way no graph keeps memory of its own for its output:
+    buffers, which the graph copies its result into (a dataclass's `pool_fields`: non-owning aliases
+    in the pool, not copied); PIECEWISE: a non-owning alias of the last segment's output in the pool.
+    Either way no graph keeps memory of its own for its output:
     graphs replay one at a time and a step consumes its output before the next replay (vLLM
     keeps only weak references to graph outputs for the same reason), so the graphs together
     cost what the largest one does -- the figure the KV budget reserves."""
@@ -80,8 +91,9 @@ class CUDAGraphWrapper:
         self.capture_phase, self.graph_factory = capture_phase, graph_factory
         self.address_check = debug_addresses_enabled(address_check)
         self._entries: dict[BatchDescriptor, _Entry] = {}
-        self._shared_output: list[torch.Tensor] = []
-        """FULL: one buffer per output tensor, as many rows as the largest output so far."""
+        self._shared_output: dict[tuple, torch.Tensor] = {}
+        """FULL: one buffer per (position, dtype, trailing shape) of an output tensor, as many rows as
+        the largest output so far (graphs of different output structures share what matches)."""
         self.num_replays = 0
         """Calls served by replaying an already captured graph (the capturing call not counted)."""
         self.replays_by_descriptor: Counter[BatchDescriptor] = Counter()
@@ -129,7 +141,7 @@ class CUDAGraphWrapper:
             if self.runtime_mode == CUDAGraphMode.FULL:
                 output = self._output_views(warm)
                 del warm
-                graph = self._capture_full(output, args, kwargs)
+                graph, output = self._capture_full(output, args, kwargs)
             else:
                 del warm
                 with BreakableCapture(self.pool, self.graph_factory) as capture:
@@ -143,25 +155,32 @@ class CUDAGraphWrapper:
 
     def _output_views(self, like: Any) -> Any:
         """`like`'s structure as views [:rows] of the shared output buffers (outside the pool),
-        grown when a larger output comes (captures go largest first, so normally never)."""
-        tensors = _tensors(like)
-        if len(self._shared_output) != len(tensors) or any(
-                buf.shape[0] < t.shape[0] or buf.shape[1:] != t.shape[1:] or buf.dtype != t.dtype
-                for buf, t in zip(self._shared_output, tensors)):
-            self._shared_output = [torch.empty_like(t) for t in tensors]
-        views = iter([buf[:t.shape[0]] for buf, t in zip(self._shared_output, tensors)])
-        return _map_tensors(lambda _: next(views), like)
+        a buffer grown when a larger output comes (captures go largest first, so normally never;
+        earlier graphs keep the old buffer alive through their views). `pool_fields` stay as they are."""
+        views = []
+        for position, t in enumerate(_tensors(like, pooled=False)):
+            key = (position, t.dtype, tuple(t.shape[1:]))
+            buf = self._shared_output.get(key)
+            if buf is None or buf.shape[0] < t.shape[0]:
+                buf = self._shared_output[key] = torch.empty_like(t)
+            views.append(buf[:t.shape[0]])
+        views = iter(views)
+        return _map_tensors(lambda _: next(views), like, pooled=False)
 
-    def _capture_full(self, output: Any, args: tuple, kwargs: dict) -> GraphLike:
+    def _capture_full(self, output: Any, args: tuple, kwargs: dict) -> tuple[GraphLike, Any]:
         """One graph for the whole forward; its result is copied, inside the graph, into
         `output` (shared buffers outside the pool), so the pool's blocks all return to the pool
-        for the next capture while the result stays at a fixed address."""
+        for the next capture while the result stays at a fixed address. Returns the graph and
+        `output` with its `pool_fields` set to non-owning aliases of the captured tensors."""
         graph = self.graph_factory()
         graph.capture_begin(pool=self.pool)
         try:
             result = self.runnable(*args, **kwargs)
-            for dst, src in zip(_tensors(output), _tensors(result), strict=True):
+            for dst, src in zip(_tensors(output, pooled=False), _tensors(result, pooled=False), strict=True):
                 dst.copy_(src)
+            pooled = {name: _alias(getattr(result, name)) for name in _pool_fields(result)}
+            if pooled:
+                output = dataclasses.replace(output, **pooled)
             del result
         except BaseException:
             try:
@@ -170,4 +189,4 @@ class CUDAGraphWrapper:
                 pass  # the capture is already broken; the original error says why
             raise
         _end_capture(graph)
-        return graph
+        return graph, output
