@@ -8,6 +8,7 @@ never captured: `cuda_graph_ready` stays False), `initialize_kv_cache`, then
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import ClassVar
@@ -44,6 +45,22 @@ class DecodeOutput:
     logits: torch.Tensor
     greedy: torch.Tensor
     pool_fields: ClassVar[tuple[str, ...]] = ("logits",)
+
+
+def forward_with_decode_head(model, input_ids, positions, intermediate=None):
+    """The model's forward, and for a uniform-decode step in a graph mode on the last stage also
+    the logits and greedy tokens of every (padded) row, so the graph computes them: a
+    `DecodeOutput`. Eager steps (NONE, the profile run) and mixed batches return the hidden rows.
+    A function of the model, not a runner method: the graph wrappers hold it, and a bound method
+    would make runner -> wrapper -> runner a cycle that keeps a dropped engine's GPU memory
+    until the cyclic garbage collector runs."""
+    hidden = model.forward(input_ids, positions, intermediate)
+    context = get_forward_context()
+    desc = context.batch_descriptor
+    if desc is None or not desc.uniform_decode or not model.model.is_last or context.kv_caches is None:
+        return hidden
+    logits = model.compute_logits(hidden, float32=False)
+    return DecodeOutput(hidden, logits, argmax_rows(logits))
 
 
 class ModelRunner:
@@ -101,7 +118,7 @@ class ModelRunner:
     def _build_graph_wrappers(self, pool) -> None:
         """FULL wraps PIECEWISE wraps the model: each acts only when the forward context's runtime
         mode is its own, so one callable serves every mode the dispatcher picks."""
-        forward = self._model_forward
+        forward = functools.partial(forward_with_decode_head, self.model)
         debug = self.config.compilation.debug_cudagraph_addresses
         self.piecewise = self.full = None
         if self.cudagraph_mode.has_piecewise():
@@ -111,18 +128,6 @@ class ModelRunner:
             forward = self.full = CUDAGraphWrapper(forward, CUDAGraphMode.FULL, pool, self.capture_phase, debug,
                                                    self.graph_factory)
         self.forward = forward
-
-    def _model_forward(self, input_ids, positions, intermediate=None):
-        """The model's forward, and for a uniform-decode step in a graph mode on the last stage also
-        the logits and greedy tokens of every (padded) row, so the graph computes them: a
-        `DecodeOutput`. Eager steps (NONE, the profile run) and mixed batches return the hidden rows."""
-        hidden = self.model.forward(input_ids, positions, intermediate)
-        context = get_forward_context()
-        desc = context.batch_descriptor
-        if desc is None or not desc.uniform_decode or not self.model.model.is_last or context.kv_caches is None:
-            return hidden
-        logits = self.model.compute_logits(hidden, float32=False)
-        return DecodeOutput(hidden, logits, argmax_rows(logits))
 
     def intermediate_view(self, num_tokens: int) -> IntermediateTensors | None:
         """Views [:num_tokens] of the persistent receive buffers (None on the first stage)."""

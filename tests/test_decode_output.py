@@ -65,3 +65,22 @@ def test_mixed_descriptors_and_eager_steps_return_hidden(tmp_path):
     runner = _runner(tmp_path)
     assert isinstance(_decode_step(runner, BatchDescriptor(3, 3, False), [True] * 3)[2], torch.Tensor)
     assert isinstance(_decode_step(runner, None, [True] * 3)[2], torch.Tensor)
+
+
+def test_dropped_runner_is_freed_without_the_cycle_collector(tmp_path):
+    """The graph wrappers hold the forward; it must not reference the runner (a cycle would keep a
+    dropped engine's memory, GPU memory included, until a gc pass)."""
+    import gc
+    import weakref
+
+    runner = _runner(tmp_path)
+    runner.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE   # as on a GPU: both wrappers
+    runner._build_graph_wrappers(None)
+    assert runner.full is not None and runner.piecewise is not None
+    ref = weakref.ref(runner)
+    gc.disable()
+    try:
+        del runner
+        assert ref() is None
+    finally:
+        gc.enable()
