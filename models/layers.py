@@ -141,6 +141,92 @@ class Linear(nn.Linear):
         return torch.ops.mkl._mkl_linear(x, pack, self.weight, self.bias, rows)
 
 
+SCREEN_MIN_ROWS = 16
+"""`screened_argmax` serves batches of at least this many rows: from 16 rows F.linear over a subset
+of the vocabulary gives bit for bit the logits of the whole product (and of the packed path) at the
+measured shapes, so the screened pick is the full argmax's; below that MKL picks other kernels."""
+SCREEN_ERROR = 2.0 ** -6
+"""|bf16 logit - any fp32 logit| <= SCREEN_ERROR * ||h|| * ||w_j||. With u = 2^-8 (bf16 rounding):
+rounding h and w costs (2u + u^2) sum|h_i w_ij|, the bf16 output u more, fp32 accumulation (bf16
+products are exact in fp32) and the fp32 reference ~2 * 576 * 2^-24 each; ~0.0119 in all, and
+sum|h_i w_ij| <= ||h|| ||w_j|| (Cauchy-Schwarz). 2^-6 = 0.0156 leaves a 30% margin; the weight's
+first use checks the bound on random rows (`_bf16_screen`)."""
+_screens: dict[int, tuple] = {}
+"""id(weight) -> (weakref to the weight, (data_ptr, version), (bf16 copy, row norms, max norm) or None)."""
+
+
+@functools.cache
+def _screening_enabled() -> bool:
+    """GRAPHRUNNER_CPU_SCREENED_ARGMAX=0 turns `screened_argmax` off (the full fp32 LM head runs)."""
+    return os.environ.get("GRAPHRUNNER_CPU_SCREENED_ARGMAX", "1") != "0"
+
+
+def _bf16_screen(weight: torch.Tensor):
+    """(bf16 copy of `weight`, fp32 row norms, their max) for `screened_argmax`, made on first use and
+    again when the weight changes; None when the weight is not finite or the bf16 product misses the
+    SCREEN_ERROR bound on random rows (a CPU whose bf16 matmul does not accumulate in fp32)."""
+    try:
+        key = (weight.data_ptr(), weight._version)
+    except RuntimeError:  # an inference tensor has no version counter
+        key = (weight.data_ptr(), None)
+    entry = _screens.get(id(weight))
+    if entry is not None and entry[0]() is weight and entry[1] == key:
+        return entry[2]
+    with torch.no_grad():
+        w, screen = weight.detach(), None
+        if bool(torch.isfinite(w).all()):
+            w16, norms = w.to(torch.bfloat16), w.norm(dim=1)
+            probe = torch.randn(SCREEN_MIN_ROWS, w.shape[1], generator=torch.Generator().manual_seed(0))
+            error = (F.linear(probe.to(torch.bfloat16), w16).float() - F.linear(probe, w)).abs()
+            bound = SCREEN_ERROR * probe.norm(dim=1, keepdim=True) * norms
+            if bool((error <= bound / 4).all()):
+                screen = (w16, norms, float(norms.max()))
+            else:
+                logger.warning("screened CPU argmax disabled: the bf16 product misses its error bound")
+    ident = id(weight)
+    _screens[ident] = (weakref.ref(weight, lambda _, ident=ident: _screens.pop(ident, None)), key, screen)
+    return screen
+
+
+def screened_argmax(hidden: torch.Tensor, head: nn.Linear) -> torch.Tensor | None:
+    """argmax_j of head(hidden)[:, j] (first maximum on ties) for fp32 CPU rows, reading the LM head's
+    weight in bf16 (half the bytes: the fp32 head was ~13% of a bs32 SmolLM2 decode step on a 2-core
+    CPU) and then in fp32 only for the tokens that could still be the maximum. None where it does not
+    apply (GPU, not fp32, bias, fewer than SCREEN_MIN_ROWS rows, non-finite rows, switched off).
+
+    Exact, not approximate: with e_j = SCREEN_ERROR * ||h|| * ||w_j|| bounding |bf16 - fp32 logit|
+    a_j - l_j, floor = max_j(a_j - e_j) is at most the fp32 maximum, and a token j can reach the
+    maximum only if a_j + e_j >= floor. Those tokens' fp32 logits come from F.linear on their weight
+    rows (bit-identical to the whole product's from SCREEN_MIN_ROWS rows on), and the first maximum
+    among them, in vocabulary order, is the full argmax."""
+    weight = head.weight
+    if (hidden.is_cuda or hidden.dtype != torch.float32 or weight.dtype != torch.float32 or head.bias is not None
+            or hidden.dim() != 2 or hidden.shape[0] < SCREEN_MIN_ROWS or not _screening_enabled()):
+        return None
+    screen = _bf16_screen(weight)
+    if screen is None or not bool(torch.isfinite(hidden).all()):
+        return None
+    w16, norms, max_norm = screen
+    approx = F.linear(hidden.to(torch.bfloat16), w16).float()              # [R, V]
+    slack = SCREEN_ERROR * hidden.norm(dim=1, keepdim=True)                # e_j / ||w_j|| per row
+    # Coarse, one pass: the floor is at least top - slack * max_norm, and e_j <= slack * max_norm.
+    # (amax, not max: a tenth of the time on a CPU, and no index is needed.)
+    coarse = approx.amax(dim=1, keepdim=True) - 2 * max_norm * slack
+    ids = ((approx - coarse).amax(dim=0) >= 0).nonzero().squeeze(1)
+    near = approx.index_select(1, ids)                                      # [R, C]
+    near_slack = slack * norms[ids]
+    floor = (near - near_slack).amax(dim=1, keepdim=True)  # max_j(a_j - e_j): the top token is in ids
+    candidates = near + near_slack >= floor
+    keep = candidates.any(dim=0)
+    ids, candidates = ids[keep], candidates[:, keep]
+    if ids.numel() < SCREEN_MIN_ROWS:  # padding ids, never picked: MKL's narrowest products differ
+        ids = torch.unique(torch.cat([ids, torch.arange(SCREEN_MIN_ROWS)]))
+        near = approx.index_select(1, ids)
+        candidates = near + slack * norms[ids] >= floor
+    exact = F.linear(hidden, weight.index_select(0, ids)).masked_fill_(~candidates, float("-inf"))
+    return ids[exact.max(dim=1).indices]                                    # ids ascend: ties go left
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32; with `residual`, adds it first and returns the new
     residual too (the fused add+norm of vLLM, one less pass over the hidden states)."""

@@ -19,6 +19,7 @@ from attention.backends import get_attention_backend
 from attention.forward_context import ForwardContext, get_forward_context, set_forward_context
 from configs import CUDAGraphMode, EngineConfig, SamplingParams
 from models.hf_config import ModelSpec
+from models.layers import screened_argmax
 from models.llama import IntermediateTensors
 from models.loader import build_model
 from runner.cudagraph import (CUDA_GRAPHS, BatchDescriptor, CapturePhase, CUDAGraphWrapper, CudagraphDispatcher,
@@ -338,6 +339,12 @@ class ModelRunner:
         argmax of their logits in the model dtype (same index, one conversion kernel less)."""
         if isinstance(out, DecodeOutput) and len(rows) == len(reqs):
             return out.greedy[:len(reqs)]
+        if (self.device.type == "cpu" and not isinstance(out, DecodeOutput) and common.uniform_decode
+                and len(rows) == len(reqs)):
+            # A CPU decode step: the LM head read in bf16 first, fp32 only near the top (exact).
+            tokens = screened_argmax(out[:len(reqs)], self.model.lm_head)
+            if tokens is not None:
+                return tokens
         return argmax_rows(self._sampling_logits(reqs, rows, out, common, float32=False))
 
     def _generators(self, reqs: list[ScheduledRequest], rows: list[int]) -> dict[int, torch.Generator]:

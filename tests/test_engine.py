@@ -164,3 +164,28 @@ def test_a_failed_step_loses_nothing(tiny):
         for out in engine.step():
             done[out.request_id] = out
     assert [done[str(i)].token_ids for i in range(3)] == expected[:3]
+
+
+
+def test_greedy_decode_of_many_rows_matches_hf(tiny, monkeypatch):
+    """20 requests decode together: the CPU's bf16-screened LM head (`screened_argmax`, from 16
+    rows) serves those steps, and the tokens are still HF's."""
+    from transformers import AutoModelForCausalLM
+
+    import models.layers
+    import runner.model_runner
+    path = tiny[0]
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 256, (int(n),), generator=g).tolist() for n in torch.randint(1, 30, (20,), generator=g)]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    served = []
+
+    def counting(hidden, head):
+        tokens = models.layers.screened_argmax(hidden, head)
+        served.append(tokens is not None)
+        return tokens
+
+    monkeypatch.setattr(runner.model_runner, "screened_argmax", counting)
+    llm = LLM(model=str(path), dtype="float32", device="cpu")
+    assert _tokens(llm, prompts) == hf_greedy_generate(hf, prompts, GREEDY.max_tokens, ignore_eos=True)
+    assert sum(served) >= GREEDY.max_tokens - 1   # every decode step of the 20 rows was screened
