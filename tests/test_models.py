@@ -163,3 +163,16 @@ def test_bad_config_values_name_the_field():
         EngineConfig.from_kwargs(model="x", cudagraph_mode="SOMETIMES")
     with pytest.raises(TypeError, match="unknown engine option 'blocksize'"):
         EngineConfig.from_kwargs(model="x", blocksize=16)
+
+
+def test_decode_rope_signed_tables_match_rotate_bit_for_bit():
+    """A decode step's RoPE (`_rotate_signed`, 4 kernels) gives `_rotate`'s bits (HF's rounding)."""
+    from models.layers import _rotate, _rotate_signed
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 7, 32, 64):
+        qkv = torch.randn(rows, 15 * 64, generator=g) * 4
+        x = qkv[:, :12 * 64].view(rows, 12, 64)              # q and k heads of one projection row
+        angles = torch.rand(rows, 1, 32, generator=g) * 1000
+        cos, sin = angles.cos(), angles.sin()
+        signed = (torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1))
+        assert torch.equal(_rotate_signed(x, *signed), _rotate(x, cos, sin, 64))
