@@ -24,7 +24,9 @@
 #        s5verify: GPU tests, decode FULL/PIECEWISE of SmolLM2 / Llama-3.2-1B, PIECEWISE host profile;
 #        s5goals: the goal figures (decode per mode with HF, cold capture + serving at 0.95, throughput);
 #        s5host: FULL bs1 host profile, capture cold then warm, SmolLM2 decode FULL/PIECEWISE;
-#        s5head: GPU tests, decode FULL/PIECEWISE of the small shapes, capture + serving at 0.95, FULL host profile.
+#        s5head: GPU tests, decode FULL/PIECEWISE of the small shapes, capture + serving at 0.95, FULL host profile;
+#        s5final: GPU tests, then the goal figures (decode per mode with HF, cold and warm capture + serving
+#                 at 0.95, throughput).
 # Logs go to $OUT/suite.log, figures to $OUT/*.json and $OUT/*.png; a short table comes last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -205,6 +207,14 @@ if [[ $STAGE == s5head ]]; then  # session 5: the LM head and greedy argmax insi
     --batch-sizes 1 32 --warmup 3 --steps 15 --no-hf --no-plot --json "$OUT/decode.json"
   step capture 120 python3 scripts/bench_capture.py --gpu-memory-utilization 0.95 --serve 256 --json "$OUT/capture.json"
   step profile-full 60 python3 scripts/profile_step.py --mode FULL --batch-size 1 --host-profile --top 30
+fi
+if [[ $STAGE == s5final ]]; then  # session 5: tests and goal figures on the final commit, one call
+  step cuda-tests 200 python3 -m pytest -q -p no:cacheprovider -m cuda -rA tests --deselect tests/test_pipeline.py
+  step decode 150 python3 scripts/bench_decode.py --modes FULL PIECEWISE --warmup 3 --steps 15 --hf-max-batch 32 \
+    --json "$OUT/decode.json" --plot "$OUT/decode.png"
+  step capture 120 python3 scripts/bench_capture.py --cold --modes FULL_AND_PIECEWISE FULL_AND_PIECEWISE PIECEWISE FULL \
+    --gpu-memory-utilization 0.95 --serve 256 --json "$OUT/capture.json"
+  step throughput 80 python3 scripts/bench_throughput.py --json "$OUT/throughput.json"
 fi
 if [[ $STAGE == goals ]]; then
   step decode 150 python3 scripts/bench_decode.py --modes FULL PIECEWISE --warmup 3 --steps 15 --hf-max-batch 32 \
