@@ -58,9 +58,24 @@ class Attention(nn.Module):
         return out.view(q.shape[0], -1)
 
 
-@break_point
-def attention_op(layer: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 *, out: torch.Tensor) -> None:
+def _attention(layer: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               *, out: torch.Tensor) -> None:
     context = get_forward_context()
     kv_cache = None if context.kv_caches is None else context.kv_caches[layer.cache_index]
     context.attn_backend.forward(layer, query, key, value, out, kv_cache, context.attn_metadata)
+
+
+def _prepare_attention_replay(layer: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              *, out: torch.Tensor):
+    """The break's replay on its recorded inputs, when the backend offers a faster one than
+    `_attention` (`prepare_replay(layer, query, key, value, out, kv_cache)`); else None."""
+    context = get_forward_context()
+    prepare = getattr(context.attn_backend, "prepare_replay", None)
+    if prepare is None or context.kv_caches is None:
+        return None
+    return prepare(layer, query, key, value, out, context.kv_caches[layer.cache_index])
+
+
+_attention.prepare_replay = _prepare_attention_replay
+attention_op = break_point(_attention)
+"""The attention op every layer calls: a PIECEWISE break point (runner/cudagraph/breakable.py)."""

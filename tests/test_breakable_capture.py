@@ -176,6 +176,32 @@ def test_out_positional_and_returning_out_are_accepted():
             no_out(torch.ones(2), 3)
 
 
+def test_prepare_replay_is_asked_once_at_capture_and_its_replay_runs_instead():
+    """An op's `prepare_replay` gets the recorded inputs at capture; replays call what it returned
+    (None: the op itself)."""
+    prepared, replays = [], []
+
+    def scaled(x, *, out):
+        EVENTS.append(("op",))
+        launch(lambda: torch.mul(x, 2.0, out=out))
+
+    def prepare(x, *, out):
+        prepared.append((x, out))
+        return (lambda: replays.append("fast")) if len(prepared) == 1 else None
+
+    scaled.prepare_replay = prepare
+    op = break_point(scaled)
+    with BreakableCapture(None, FakeGraphForTests) as capture:
+        a, b = torch.empty(2), torch.empty(2)
+        op(torch.ones(2), out=a)
+        op(torch.ones(2), out=b)
+    assert [o for _, o in prepared] == [a, b] and capture.graph.breaks[0].replay is not None
+    EVENTS.clear()
+    capture.graph.replay()
+    assert replays == ["fast"] and EVENTS.count(("op",)) == 1   # the second break: the op itself
+    torch.testing.assert_close(b, torch.full((2,), 2.0))
+
+
 def test_break_point_outside_capture_just_runs():
     a = torch.empty(2)
     assert toy_attention(torch.ones(2), out=a) is None

@@ -450,8 +450,11 @@ def test_step_attention_relaunches_the_first_layers_launch_with_each_layers_tens
             calls.append(("launch", grid, args))
             return "compiled kernel"
 
-        def relaunch(self, kernel, grid, args, device_index=0):
-            assert kernel == "compiled kernel"
+        def stream_of(self, device_index):
+            return 1234
+
+        def relaunch(self, kernel, grid, args, device_index=0, stream=None):
+            assert kernel == "compiled kernel" and stream == 1234   # the stream read when the launch was bound
             calls.append(("relaunch", grid, args))
 
     monkeypatch.setattr(ua, "_attention_launch", FakeLaunch())
@@ -469,3 +472,48 @@ def test_step_attention_relaunches_the_first_layers_launch_with_each_layers_tens
         assert grid == want.grid and len(args) == len(want.args)
         for got, expected in zip(args, want.args):
             assert got is expected if isinstance(expected, torch.Tensor) else got == expected
+
+
+def test_piecewise_break_replay_uses_the_key_computed_at_capture(monkeypatch):
+    """TritonPagedBackend.prepare_replay: the recorded tensors' layer key is computed once; a replay
+    hands it to the step's StepAttention (one per step's metadata); another KV cache than the one
+    captured, or a FULL context, takes `forward`; a layer that leaves the KV write to the backend
+    (key given) gets no special replay."""
+    from types import SimpleNamespace
+
+    from attention.backends import triton_paged
+    from attention.forward_context import ForwardContext, set_forward_context
+    from attention.kernels import unified_attention as ua
+    from configs import CUDAGraphMode
+
+    calls = []
+
+    class FakeStepAttention:
+        def __init__(self, qsl, seq_lens, block_table, max_seq_len):
+            calls.append("new step")
+
+        def call_keyed(self, key, query, kv_cache, out, scale):
+            calls.append(("keyed", key, kv_cache is cache))
+
+    monkeypatch.setattr(triton_paged, "StepAttention", FakeStepAttention)
+    backend = triton_paged.TritonPagedBackend()
+    monkeypatch.setattr(backend, "forward", lambda *a: calls.append("forward"))
+    layer = SimpleNamespace(scale=0.5, cache_index=0)
+    q, out, cache = torch.zeros(2, 4, 8), torch.zeros(2, 4, 8), torch.zeros(2, 3, 4, 2, 8)
+    assert backend.prepare_replay(layer, q, q, q, out, cache) is None
+    replay = backend.prepare_replay(layer, q, None, None, out, cache)
+
+    def metadata():
+        return SimpleNamespace(query_start_loc=None, seq_lens=None, block_table=None, max_seq_len=9)
+
+    step = metadata()
+    with set_forward_context(ForwardContext(step, [cache], backend, CUDAGraphMode.PIECEWISE)):
+        replay()
+        replay()
+    assert calls == ["new step"] + [("keyed", ua.layer_key(q, cache, out, 0.5), True)] * 2
+    calls.clear()
+    with set_forward_context(ForwardContext(metadata(), [cache.clone()], backend, CUDAGraphMode.PIECEWISE)):
+        replay()
+    with set_forward_context(ForwardContext(metadata(), [cache], backend, CUDAGraphMode.FULL)):
+        replay()
+    assert calls == ["forward", "forward"]

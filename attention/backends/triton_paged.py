@@ -15,10 +15,10 @@ from typing import Any, ClassVar
 import torch
 
 from attention.backends.base import AttentionBackend, AttentionCGSupport
-from attention.forward_context import current_runtime_mode
+from attention.forward_context import current_runtime_mode, get_forward_context
 from attention.kernels.kv_write import write_kv
 from attention.backends.torch_sdpa import TorchSDPABackend
-from attention.kernels.unified_attention import StepAttention, unified_attention
+from attention.kernels.unified_attention import StepAttention, layer_key, unified_attention
 from attention.metadata import CommonAttentionMetadata
 from configs.graph_mode import CUDAGraphMode
 
@@ -54,6 +54,27 @@ class TritonPagedBackend(AttentionBackend):
                               metadata.block_table, layer.scale)
             return
         self._step_attention(metadata)(query, kv_cache, out, layer.scale)
+
+    def prepare_replay(self, layer: Any, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+                       out: torch.Tensor, kv_cache: torch.Tensor):
+        """A PIECEWISE break's replay (`attention.layer._prepare_attention_replay`): the recorded q
+        and out never change, so their `layer_key` is computed here, once; each replay then only
+        looks up the step's StepAttention. Generic (None) when the layer leaves the KV write to the
+        backend (key given)."""
+        if key is not None:
+            return None
+        index, scale = layer.cache_index, layer.scale
+        recorded_key = layer_key(query, kv_cache, out, scale)
+
+        def replay() -> None:
+            context = get_forward_context()
+            metadata, cache = context.attn_metadata, context.kv_caches[index]
+            if cache is not kv_cache or context.runtime_mode == CUDAGraphMode.FULL:   # not what was captured
+                self.forward(layer, query, None, None, out, cache, metadata)
+                return
+            self._step_attention(metadata).call_keyed(recorded_key, query, cache, out, scale)
+
+        return replay
 
     def _step_attention(self, metadata: CommonAttentionMetadata) -> StepAttention:
         """The StepAttention of this step: made by its first layer, kept while the metadata object

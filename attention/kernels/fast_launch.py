@@ -156,14 +156,16 @@ class FastLaunch:
         self.relaunch(kernel, grid, args, device_index)
         return kernel
 
-    def relaunch(self, kernel: Any, grid: tuple[int, ...], args: tuple, device_index: int = 0) -> None:
+    def relaunch(self, kernel: Any, grid: tuple[int, ...], args: tuple, device_index: int = 0,
+                 stream: int | None = None) -> None:
         """Launch `kernel` (returned by a call) again with arguments of the same key, without
         computing the key: the caller vouches for every dtype, alignment, specialised integer and
-        constexpr (unified_attention.StepAttention checks what can change between its calls)."""
+        constexpr (unified_attention.StepAttention checks what can change between its calls).
+        `stream`: the raw stream, when the caller knows it is the current one."""
         grid_1 = grid[1] if len(grid) > 1 else 1
         grid_2 = grid[2] if len(grid) > 2 else 1
-        kernel.run(grid[0], grid_1, grid_2, self.stream_of(device_index), kernel.function,
-                   kernel.packed_metadata, None, None, None, *args)
+        kernel.run(grid[0], grid_1, grid_2, stream if stream is not None else self.stream_of(device_index),
+                   kernel.function, kernel.packed_metadata, None, None, None, *args)
         self.fast_launches += 1
 
 

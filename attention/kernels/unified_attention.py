@@ -415,7 +415,7 @@ def _plan(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, query_
     return _Launch(grid, args, options, merge)
 
 
-def _layer_key(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scale: float) -> tuple:
+def layer_key(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scale: float) -> tuple:
     """What may differ between two layers' calls and would change the launch: shapes, strides,
     dtypes, 16-byte alignment (Triton specialises on it), the scale."""
     return (query.shape, query.stride(), query.dtype, query.data_ptr() % 16 == 0, out.shape, out.stride(),
@@ -427,7 +427,7 @@ class StepAttention:
     """`unified_attention` for the eager calls of one step (every layer of a PIECEWISE replay or a
     NONE step), at a fraction of the host cost: the first call checks and binds the launch (split
     count, grid, strides, scratch, the compiled kernel); later calls whose q, KV cache and out have
-    that call's shapes, strides, dtypes and alignment (`_layer_key`; the layers of a model do)
+    that call's shapes, strides, dtypes and alignment (`layer_key`; the layers of a model do)
     swap in their three tensors and relaunch the compiled kernel directly. Why: a PIECEWISE step
     of a 30-layer model launches attention 30 times from Python, and the checks, the split choice
     and FastLaunch's key cost more host time than the launch itself. A layer that differs, a split
@@ -444,14 +444,20 @@ class StepAttention:
         self._grid: tuple = ()
         self._rest: tuple = ()   # every argument after query, kv_cache, out (not those: no memory kept alive)
         self._device_index = 0
+        self._stream = None
         self.relaunches = 0
         """Calls that took the bound launch (for tests)."""
 
     def __call__(self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scale: float) -> None:
-        key = _layer_key(query, kv_cache, out, scale)
+        self.call_keyed(layer_key(query, kv_cache, out, scale), query, kv_cache, out, scale)
+
+    def call_keyed(self, key: tuple, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
+                   scale: float) -> None:
+        """`__call__` with `layer_key(query, kv_cache, out, scale)` already known (a PIECEWISE
+        break computes it once at capture: its tensors never change)."""
         if self._kernel is not None and key == self._key:
             _attention_launch.relaunch(self._kernel, self._grid, (query, kv_cache, out) + self._rest,
-                                       self._device_index)
+                                       self._device_index, self._stream)
             self.relaunches += 1
             return
         launch = _plan(query, kv_cache, out, *self.metadata, scale, None, self.max_seq_len)
@@ -461,3 +467,4 @@ class StepAttention:
         if kernel is not None and launch.merge is None and self._kernel is None:
             self._key, self._kernel, self._grid = key, kernel, launch.grid
             self._rest, self._device_index = launch.args[3:], launch.options["device_index"]
+            self._stream = _attention_launch.stream_of(self._device_index)   # the step's stream
