@@ -39,6 +39,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
     import torch
+    if not torch.cuda.is_available():
+        print("bench_break_replay.py: needs a CUDA device (PIECEWISE graphs are CUDA graphs)")
+        return
 
     from configs import SamplingParams
     from runner import LLM

@@ -164,3 +164,28 @@ def test_gemv_configs_bench_cpu_smoke(tmp_path):
         assert r["cublas_us"] > 0 and r["default_us"] > 0 and len(r["configs"]) == 2
         assert r["best_us"] == min(r["configs"].values())
     assert json.loads(out.read_text())["rows"] == rows
+
+
+def test_break_replay_bench_switches_every_graph_between_prepared_and_generic_calls(capsys, monkeypatch):
+    """The A/B of scripts/bench_break_replay.py on fake graphs: prepared calls are the records'
+    replays where they have one; generic calls are the ops on the recorded inputs."""
+    from types import SimpleNamespace
+
+    import bench_break_replay
+    from runner.cudagraph.breakable import BreakableGraph, BreakRecord
+
+    seen = []
+    op = lambda x, *, out: seen.append(("op", x))
+    fast = lambda: seen.append("fast")
+    graph = BreakableGraph([SimpleNamespace(replay=lambda: None)] * 3,
+                           [BreakRecord(op, (1,), {"out": None}, fast), BreakRecord(op, (2,), {"out": None})])
+    runner = SimpleNamespace(piecewise=SimpleNamespace(_entries={"desc": SimpleNamespace(graph=graph)}))
+    bench_break_replay._set_calls(runner, prepared=False)
+    graph.replay()
+    bench_break_replay._set_calls(runner, prepared=True)
+    graph.replay()
+    assert seen == [("op", 1), ("op", 2), "fast", ("op", 2)]
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(sys, "argv", ["bench_break_replay.py"])
+        bench_break_replay.main()
+        assert "needs a CUDA device" in capsys.readouterr().out
