@@ -213,7 +213,8 @@ class ModelRunner:
     def measure_graph_reserve(self) -> int:
         """Bytes the graphs will take: the largest graph of each runtime mode (uniform-decode and
         mixed separately: the first computes the logits too) captured once into a throwaway pool of
-        its own (against a one-block scratch KV cache) and measured; the reserve is the largest of these. That is the whole cost, not a sample of it: the real
+        its own (against a one-block scratch KV cache) and measured; the reserve is the largest of
+        these. That is the whole cost, not a sample of it: the real
         captures go largest first into ONE pool shared by both modes, every later graph reuses
         the blocks the earlier ones freed, and no graph keeps an output of its own (see
         `CUDAGraphWrapper`), so the pool peaks at the most any single graph needs. (Capturing
@@ -335,8 +336,9 @@ class ModelRunner:
         return self.model.compute_logits(out[self._to_device(last_token)], float32)
 
     def _greedy_tokens(self, reqs: list[ScheduledRequest], rows: list[int], out, common) -> torch.Tensor:
-        """Greedy tokens of the sampling rows: the graph's (DecodeOutput, every row samples) or the
-        argmax of their logits in the model dtype (same index, one conversion kernel less)."""
+        """Greedy tokens of the sampling rows: the graph's (DecodeOutput, every row samples), on a
+        CPU decode step `screened_argmax` (exact, fewer bytes of LM head), or the argmax of their
+        logits in the model dtype (same index, one conversion kernel less)."""
         if isinstance(out, DecodeOutput) and len(rows) == len(reqs):
             return out.greedy[:len(reqs)]
         if (self.device.type == "cpu" and not isinstance(out, DecodeOutput) and common.uniform_decode
