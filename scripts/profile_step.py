@@ -60,6 +60,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--host-profile", action="store_true")
+    parser.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto")
     args = parser.parse_args()
     from configs import SamplingParams
     from runner import LLM
@@ -69,7 +70,8 @@ def main() -> None:
         path = write_config(args.shape, folder)
         llm = LLM(model=str(path), load_format="dummy", dtype="bfloat16", cudagraph_mode=args.mode,
                   cudagraph_capture_sizes=[args.batch_size], max_num_seqs=args.batch_size,
-                  max_model_len=args.prompt_len + args.steps + 64, gpu_memory_utilization=0.3, seed=0)
+                  max_model_len=args.prompt_len + args.steps + 64, gpu_memory_utilization=0.3, seed=0,
+                  async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
         engine = llm.engine
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.steps + 32)
         for i in range(args.batch_size):
