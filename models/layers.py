@@ -77,8 +77,27 @@ PACKED_MAX_ROWS = 64
 weights cold as in a decode step), packed is 20-35% faster than F.linear for 4-64 rows, equal
 for 1-2, and slower from 128 rows (prefill), where MKL's own packing of B is amortised."""
 _PACK_HINT_ROWS = 32
-_packs: dict[int, tuple] = {}
-"""id(weight) -> (weakref to the weight, (data_ptr, version), pack)."""
+class PerWeight:
+    """A value derived from a weight tensor (an MKL pack, a bf16 copy), built by `build(weight)` on
+    first use and again whenever the weight's storage or version changes; dropped with the weight."""
+
+    def __init__(self, build) -> None:
+        self.build = build
+        self._entries: dict[int, tuple] = {}
+        """id(weight) -> (weakref to the weight, (data_ptr, version), value)."""
+
+    def __call__(self, weight: torch.Tensor):
+        try:
+            key = (weight.data_ptr(), weight._version)
+        except RuntimeError:  # an inference tensor has no version counter
+            key = (weight.data_ptr(), None)
+        ident = id(weight)
+        entry = self._entries.get(ident)
+        if entry is not None and entry[0]() is weight and entry[1] == key:
+            return entry[2]
+        value = self.build(weight)
+        self._entries[ident] = (weakref.ref(weight, lambda _, ident=ident: self._entries.pop(ident, None)), key, value)
+        return value
 
 
 @functools.cache
@@ -90,21 +109,13 @@ def _packing_enabled() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
-def _weight_pack(weight: torch.Tensor):
-    """MKL-packed copy of `weight` ([N, K] fp32, CPU), made on first use and again whenever the
-    weight's storage or version changes; None when MKL packing is unavailable or fails its check.
+def _build_pack(weight: torch.Tensor):
+    """MKL-packed copy of `weight` ([N, K] fp32, CPU); None when MKL packing fails its check.
 
     MKL's packed format carries its own metadata: the row count given to the packing is a
     blocking hint, and the product is computed for any row count (PaddlePaddle packs with
     m=1 and computes whole batches). A new pack is checked once against F.linear at a row
     count other than the hint; any mismatch switches packing off for the process."""
-    try:
-        key = (weight.data_ptr(), weight._version)
-    except RuntimeError:  # an inference tensor has no version counter
-        key = (weight.data_ptr(), None)
-    entry = _packs.get(id(weight))
-    if entry is not None and entry[0]() is weight and entry[1] == key:
-        return entry[2]
     try:
         with torch.no_grad():
             pack = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), _PACK_HINT_ROWS)
@@ -119,9 +130,10 @@ def _weight_pack(weight: torch.Tensor):
         _packing_enabled.cache_clear()
         os.environ["GRAPHRUNNER_CPU_PACKED_LINEAR"] = "0"
         return None
-    ident = id(weight)
-    _packs[ident] = (weakref.ref(weight, lambda _, ident=ident: _packs.pop(ident, None)), key, pack)
     return pack
+
+
+_weight_pack = PerWeight(_build_pack)
 
 
 class Linear(nn.Linear):
@@ -152,8 +164,6 @@ products are exact in fp32) and the fp32 reference ~K * 2^-24 each (K = 576: 3.4
 to K = 8192); ~0.0119 in all for SmolLM2, and
 sum|h_i w_ij| <= ||h|| ||w_j|| (Cauchy-Schwarz). 2^-6 = 0.0156 leaves a 30% margin; the weight's
 first use checks the bound on random rows (`_bf16_screen`)."""
-_screens: dict[int, tuple] = {}
-"""id(weight) -> (weakref to the weight, (data_ptr, version), (bf16 copy, row norms, max norm) or None)."""
 
 
 @functools.cache
@@ -162,17 +172,10 @@ def _screening_enabled() -> bool:
     return os.environ.get("GRAPHRUNNER_CPU_SCREENED_ARGMAX", "1") != "0"
 
 
-def _bf16_screen(weight: torch.Tensor):
-    """(bf16 copy of `weight`, fp32 row norms, their max) for `screened_argmax`, made on first use and
-    again when the weight changes; None when the weight is not finite or the bf16 product misses the
-    SCREEN_ERROR bound on random rows (a CPU whose bf16 matmul does not accumulate in fp32)."""
-    try:
-        key = (weight.data_ptr(), weight._version)
-    except RuntimeError:  # an inference tensor has no version counter
-        key = (weight.data_ptr(), None)
-    entry = _screens.get(id(weight))
-    if entry is not None and entry[0]() is weight and entry[1] == key:
-        return entry[2]
+def _build_screen(weight: torch.Tensor):
+    """(bf16 copy of `weight`, fp32 row norms, their max) for `screened_argmax`; None when the
+    weight is not finite or the bf16 product misses the SCREEN_ERROR bound on random rows (a CPU
+    whose bf16 matmul does not accumulate in fp32)."""
     with torch.no_grad():
         w, screen = weight.detach(), None
         if bool(torch.isfinite(w).all()):
@@ -184,9 +187,10 @@ def _bf16_screen(weight: torch.Tensor):
                 screen = (w16, norms, float(norms.max()))
             else:
                 logger.warning("screened CPU argmax disabled: the bf16 product misses its error bound")
-    ident = id(weight)
-    _screens[ident] = (weakref.ref(weight, lambda _, ident=ident: _screens.pop(ident, None)), key, screen)
     return screen
+
+
+_bf16_screen = PerWeight(_build_screen)
 
 
 def screened_argmax(hidden: torch.Tensor, head: nn.Linear) -> torch.Tensor | None:

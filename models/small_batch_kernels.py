@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from attention.kernels.fast_launch import FastLaunch, num_sms
-from attention.kernels.pdl import use_pdl, wait_for_producers
+from attention.kernels.pdl import pdl_options, use_pdl, wait_for_producers
 
 MAX_ROWS = 32
 """Most rows the kernels take (BLOCK_M = 32 then; the accumulator and the x tile grow with it).
@@ -440,7 +440,6 @@ def norm_qkv_rope_cache(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
     half = head_dim // 2
     units = (num_q_heads + 2 * num_kv_heads) * half
     block_n, block_k = qkv_rope_block_sizes(units, n, k, x.dtype, x.device)
-    pdl = use_pdl(x.device)
     _norm_qkv_rope_cache_kernel[(triton.cdiv(units, block_n),)](
         x, residual if residual is not None else x, norm_weight, qkv_weight,
         qkv_bias if qkv_bias is not None else qkv_weight, q_out, res_out if res_out is not None else q_out,
@@ -449,6 +448,6 @@ def norm_qkv_rope_cache(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_Q=num_q_heads, NUM_KV=num_kv_heads, HALF=half, CACHE_BLOCK=kv_cache.shape[2],
         HAS_RESIDUAL=residual is not None, HAS_BIAS=qkv_bias is not None, ONE_TILE=k <= block_k,
-        BLOCK_N=block_n, BLOCK_K=block_k, RMS_BLOCK=rms_block(k, 1), PDL=pdl,
-        num_warps=4, num_stages=_stages(1, x.device), launch_pdl=pdl)
+        BLOCK_N=block_n, BLOCK_K=block_k, RMS_BLOCK=rms_block(k, 1),
+        num_warps=4, num_stages=_stages(1, x.device), **pdl_options(x.device))
     return q_out, (res_out if residual is not None else x)

@@ -20,22 +20,16 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 from attention.kernels.unified_attention import default_num_splits, unified_attention  # noqa: E402
+from bench_decode import copy_bandwidth  # noqa: E402
 
 HQ, HKV, D, BLOCK_SIZE = 32, 8, 128, 16
-
-
-def copy_bandwidth(num_bytes: int = 1 << 30) -> float:
-    """Bytes moved (read + written) per second by a large device-to-device copy."""
-    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
-    return 2 * num_bytes / (ms * 1e-3)
 
 
 def decode_case(batch_size: int, context: int, dtype=torch.bfloat16):
@@ -71,7 +65,7 @@ def main() -> None:
     args = parser.parse_args()
 
     device = torch.device("cuda")
-    copy_bw = copy_bandwidth()
+    copy_bw = copy_bandwidth(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy_bw / 1e9:.0f} GB/s")
     rows = []
     for batch_size in args.batch_sizes:

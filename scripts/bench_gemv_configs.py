@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench_decode import copy_bandwidth  # noqa: E402
 from bench_linear import COLD_BYTES, shape_dims, time_us_per_call, unavailable  # noqa: E402
 from model_shapes import SHAPES  # noqa: E402
 
@@ -45,24 +45,6 @@ def weights_of(shape: str) -> dict[str, tuple[int, int]]:
     return {"qkv": (d["q"] + 2 * d["kv"], d["hidden"]), "o": (d["hidden"], d["q"]),
             "gate_up": (2 * d["intermediate"], d["hidden"]), "down": (d["hidden"], d["intermediate"]),
             "lm_head": (vocab, d["hidden"])}
-
-
-def copy_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth (read + write bytes / time), the same measure bench_decode's floor uses."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * nbytes / statistics.median(times) / 1e9
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -87,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
     elem = torch.empty((), dtype=dtype).element_size()
     configs = CONFIGS[:args.configs]
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
-    copy = copy_gbps(device) if device.type == "cuda" else float("nan")
+    copy = copy_bandwidth(device) / 1e9 if device.type == "cuda" else float("nan")
     print(f"{name}: {args.dtype}, one row, copy bandwidth {copy:.0f} GB/s", flush=True)
     rows = []
     for shape in args.shapes:

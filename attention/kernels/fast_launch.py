@@ -92,6 +92,11 @@ def _current_stream(device_index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device_index)
 
 
+def _triton_options(num_warps: int, num_stages: int, launch_pdl: bool) -> dict:
+    """Launch options for `fn[grid](...)`; `launch_pdl` only when set (the interpreter lacks it)."""
+    return dict(num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if launch_pdl else {}))
+
+
 class FastLaunch:
     """A launcher for one @triton.jit function; see the module docstring."""
 
@@ -141,14 +146,13 @@ class FastLaunch:
         """`launch_pdl`: launch with programmatic dependent launch (attention/kernels/pdl.py); a
         compile option, so part of the key (only passed on when set: the interpreter has no such option).
         Returns the CompiledKernel that ran when the fast path applies (for `relaunch`), else None."""
-        options = dict(num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if launch_pdl else {}))
         if self.kinds is None or not ENABLED or len(args) != len(self.kinds) or _launch_hooks_set():
-            self.fn[grid](*args, **options)
+            self.fn[grid](*args, **_triton_options(num_warps, num_stages, launch_pdl))
             return None
         key = self._fast_key(args, (device_index, num_warps, num_stages, launch_pdl))
         kernel = self.compiled.get(key)
         if kernel is None:
-            kernel = self.fn[grid](*args, **options)
+            kernel = self.fn[grid](*args, **_triton_options(num_warps, num_stages, launch_pdl))
             if kernel is None or not hasattr(kernel, "function"):
                 return None
             self.compiled[key] = kernel
