@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.kernels.compile_ahead import launch
 from attention.kernels.fast_launch import FastLaunch, num_sms
 from attention.kernels.pdl import pdl_options, use_pdl, wait_for_producers
 
@@ -440,7 +441,7 @@ def norm_qkv_rope_cache(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
     half = head_dim // 2
     units = (num_q_heads + 2 * num_kv_heads) * half
     block_n, block_k = qkv_rope_block_sizes(units, n, k, x.dtype, x.device)
-    _norm_qkv_rope_cache_kernel[(triton.cdiv(units, block_n),)](
+    launch(_norm_qkv_rope_cache_kernel, (triton.cdiv(units, block_n),),
         x, residual if residual is not None else x, norm_weight, qkv_weight,
         qkv_bias if qkv_bias is not None else qkv_weight, q_out, res_out if res_out is not None else q_out,
         positions, cos_sin_cache, kv_cache, slot_mapping,

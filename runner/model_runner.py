@@ -16,6 +16,7 @@ from typing import ClassVar
 import torch
 
 from attention.backends import get_attention_backend
+from attention.kernels.compile_ahead import compile_ahead, compile_threads
 from attention.forward_context import ForwardContext, get_forward_context, set_forward_context
 from configs import CUDAGraphMode, EngineConfig, SamplingParams
 from models.hf_config import ModelSpec
@@ -95,6 +96,8 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] | None = None
         self.cuda_graph_ready = False
+        self.precompile_seconds = 0.0
+        """How long `precompile_graph_kernels` took (0: not run, or nothing to do)."""
         self.capture_phase = CapturePhase()
         self.graph_factory = CUDA_GRAPHS
         """What a graph is; CPU tests of the capture state machine swap in a fake."""
@@ -119,7 +122,7 @@ class ModelRunner:
     def _build_graph_wrappers(self, pool) -> None:
         """FULL wraps PIECEWISE wraps the model: each acts only when the forward context's runtime
         mode is its own, so one callable serves every mode the dispatcher picks."""
-        forward = functools.partial(forward_with_decode_head, self.model)
+        forward = self.model_forward = functools.partial(forward_with_decode_head, self.model)
         debug = self.config.compilation.debug_cudagraph_addresses
         self.piecewise = self.full = None
         if self.cudagraph_mode.has_piecewise():
@@ -188,11 +191,45 @@ class ModelRunner:
         lens.append(desc.num_tokens - sum(lens))
         return [[0] * n for n in lens], max(num_reqs, desc.num_reqs)
 
-    def _capture_one(self, mode: CUDAGraphMode, desc: BatchDescriptor) -> None:
+    def _capture_one(self, mode: CUDAGraphMode, desc: BatchDescriptor, forward=None) -> None:
+        """The descriptor's inert batch through the graph wrappers (which capture it), or through
+        `forward` instead (the model itself: `precompile_graph_kernels`)."""
         requests, padded_reqs = self._dummy_batch(desc)
         common = self.input_batch.prepare(requests, [0] * len(requests), [[] for _ in requests],
                                              desc.num_tokens, padded_reqs, slots_enabled=False)
-        self._forward(desc.num_tokens, common, mode, desc)
+        self._forward(desc.num_tokens, common, mode, desc, forward)
+
+    def precompile_graph_kernels(self) -> None:
+        """Compile every Triton kernel variant the graph captures will launch, on compiler threads
+        (attention/kernels/compile_ahead.py), before they are needed: on an empty Triton cache the
+        captures' warm-up runs would otherwise compile them one at a time. Each capture key's inert
+        batch runs once through the model itself (no graph wrapper) in the key's runtime mode,
+        so the kernels pick the variants the capture will (FULL's split-KV attention, the decode
+        head), against a one-block scratch KV cache of the real cache's layout; the launches only
+        queue compiles. A no-op on a CPU, with graphs off, or with GRAPHRUNNER_COMPILE_THREADS=0."""
+        self.precompile_seconds = 0.0
+        threads = compile_threads()
+        if self.cudagraph_mode == CUDAGraphMode.NONE or self.device.type != "cuda" or threads < 1:
+            return
+        started = time.perf_counter()
+        with compile_ahead(threads) as queued:
+            if queued:
+                self._run_capture_batches(self.model_forward)
+        torch.cuda.synchronize(self.device)
+        self.precompile_seconds = time.perf_counter() - started
+        logger.info("compiled the kernels of %d graph shapes ahead on %d threads in %.2f s",
+                    len(self.dispatcher.all_keys_to_capture()), threads, self.precompile_seconds)
+
+    def _run_capture_batches(self, forward) -> None:
+        """Every capture key's inert batch through `forward` in the key's runtime mode, against a
+        one-block scratch KV cache (dropped afterwards)."""
+        self.initialize_kv_cache(1)
+        try:
+            with torch.inference_mode():
+                for mode, desc in self.dispatcher.all_keys_to_capture():
+                    self._capture_one(mode, desc, forward)
+        finally:
+            self.kv_caches = None
 
     def capture_cudagraphs(self) -> None:
         """Capture every graph the dispatcher may pick, largest first, in one shared pool.
@@ -246,12 +283,13 @@ class ModelRunner:
         return self.graph_reserve_bytes
 
     # ---- one step --------------------------------------------------------------------------
-    def _forward(self, padded_tokens: int, common, mode: CUDAGraphMode, desc: BatchDescriptor | None):
+    def _forward(self, padded_tokens: int, common, mode: CUDAGraphMode, desc: BatchDescriptor | None,
+                 forward=None):
         metadata = self.attn_backend.build_metadata(common)
         context = ForwardContext(metadata, self.kv_caches, self.attn_backend, mode, desc)
         input_ids, positions = self.input_batch.model_inputs(padded_tokens)
         with set_forward_context(context):
-            return self.forward(input_ids, positions, self.intermediate_view(padded_tokens))
+            return (forward or self.forward)(input_ids, positions, self.intermediate_view(padded_tokens))
 
     def dispatch(self, sched: SchedulerOutput) -> tuple[CUDAGraphMode, BatchDescriptor | None]:
         """The graph decision; a pure function of the broadcast step, so every pipeline rank agrees."""

@@ -29,6 +29,8 @@ import functools
 import os
 from typing import Any, Callable
 
+from attention.kernels import compile_ahead as _ahead
+
 ENABLED = os.environ.get("GRAPHRUNNER_FAST_LAUNCH", "1") != "0"
 """Read once at import (reading the environment costs ~1.5 us, per launch that adds up); tests
 and benchmarks that switch it at run time set this attribute."""
@@ -145,9 +147,10 @@ class FastLaunch:
                  num_warps: int = 4, num_stages: int = 3, launch_pdl: bool = False) -> Any:
         """`launch_pdl`: launch with programmatic dependent launch (attention/kernels/pdl.py); a
         compile option, so part of the key (only passed on when set: the interpreter has no such option).
-        Returns the CompiledKernel that ran when the fast path applies (for `relaunch`), else None."""
-        if self.kinds is None or not ENABLED or len(args) != len(self.kinds) or _launch_hooks_set():
-            self.fn[grid](*args, **_triton_options(num_warps, num_stages, launch_pdl))
+        Returns the CompiledKernel that ran when the fast path applies (for `relaunch`), else None
+        (also inside `compile_ahead`, where nothing runs: the compile is only queued)."""
+        if _ahead._active or self.kinds is None or not ENABLED or len(args) != len(self.kinds) or _launch_hooks_set():
+            _ahead.launch(self.fn, grid, *args, **_triton_options(num_warps, num_stages, launch_pdl))
             return None
         key = self._fast_key(args, (device_index, num_warps, num_stages, launch_pdl))
         kernel = self.compiled.get(key)

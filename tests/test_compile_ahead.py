@@ -1,0 +1,101 @@
+"""compile_ahead: inside it, launches queue their kernel's compilation and never run (CPU, fakes).
+
+The real thing (Triton's async compile on threads, then a capture that compiles nothing) is
+the `cuda` test in test_cudagraph_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from attention.kernels import compile_ahead as ahead
+from attention.kernels.fast_launch import FastLaunch
+
+
+class FakeJIT:
+    """Records how it was called: `fn[grid](...)` (a launch) or `fn.warmup(...)` (a queued compile)."""
+
+    def __init__(self):
+        self.launches, self.warmups = [], []
+
+    def __getitem__(self, grid):
+        return lambda *args, **options: self.launches.append((grid, args, options))
+
+    def warmup(self, *args, grid, **options):
+        self.warmups.append((grid, args, options))
+
+
+class FakeAsyncMode:
+    """Stands in for triton.runtime._async_compile.AsyncCompileMode (needs no GPU)."""
+    entered = exited = 0
+
+    def __init__(self, executor):
+        self.executor = executor
+
+    def __enter__(self):
+        FakeAsyncMode.entered += 1
+        return self
+
+    def __exit__(self, *exc):
+        FakeAsyncMode.exited += 1
+
+
+@pytest.fixture()
+def fake_mode(monkeypatch):
+    FakeAsyncMode.entered = FakeAsyncMode.exited = 0
+    monkeypatch.setattr(ahead, "_async_compile_mode", lambda: FakeAsyncMode)
+    return FakeAsyncMode
+
+
+def test_launch_runs_outside_and_queues_inside(fake_mode):
+    fn = FakeJIT()
+    ahead.launch(fn, (3,), 1, 2, BLOCK=4, num_warps=1)
+    assert fn.launches == [((3,), (1, 2), {"BLOCK": 4, "num_warps": 1})] and not fn.warmups
+    with ahead.compile_ahead(2) as queued:
+        assert queued and ahead.compiling_ahead()
+        assert ahead.launch(fn, (5,), 7, BLOCK=8) is None
+    assert fn.warmups == [((5,), (7,), {"BLOCK": 8})] and len(fn.launches) == 1
+    assert not ahead.compiling_ahead() and fake_mode.entered == fake_mode.exited == 1
+
+
+def test_fast_launch_queues_even_a_known_kernel(fake_mode):
+    """Inside compile_ahead a FastLaunch never relaunches a compiled kernel (that would run it)."""
+    fn = FakeJIT()
+    launcher = FastLaunch(fn)
+    launcher.kinds = (2,)          # pretend a compiled JITFunction with one plain parameter
+    launcher._fast_key((1,), (0, 4, 3, False))
+    launcher.compiled[launcher._fast_key((1,), (0, 4, 3, False))] = object()
+    with ahead.compile_ahead(1):
+        assert launcher((1,), 1) is None
+    assert len(fn.warmups) == 1 and not fn.launches and launcher.fast_launches == 0
+
+
+def test_no_threads_or_no_async_mode_means_launches_run(monkeypatch):
+    fn = FakeJIT()
+    with ahead.compile_ahead(0) as queued:
+        assert not queued
+        ahead.launch(fn, (1,), 0)
+    monkeypatch.setattr(ahead, "_async_compile_mode", lambda: None)
+    with ahead.compile_ahead(4) as queued:
+        assert not queued
+        ahead.launch(fn, (1,), 0)
+    assert len(fn.launches) == 2 and not fn.warmups
+
+
+def test_nesting_raises_and_the_flag_resets_after_an_error(fake_mode):
+    with pytest.raises(ValueError, match="boom"):
+        with ahead.compile_ahead(1):
+            with pytest.raises(RuntimeError, match="cannot nest"):
+                with ahead.compile_ahead(1):
+                    pass
+            raise ValueError("boom")
+    assert not ahead.compiling_ahead()
+
+
+@pytest.mark.parametrize("value, expected", [("0", 0), ("3", 3), (None, None)])
+def test_compile_threads(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv("GRAPHRUNNER_COMPILE_THREADS", raising=False)
+        assert 1 <= ahead.compile_threads() <= 16
+    else:
+        monkeypatch.setenv("GRAPHRUNNER_COMPILE_THREADS", value)
+        assert ahead.compile_threads() == expected
