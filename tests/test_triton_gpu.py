@@ -264,8 +264,9 @@ def test_gpu_argmax_equals_torch(rows, vocab):
 @pytest.mark.parametrize("context", [40, 3000], ids=["one-split", "splits"])
 def test_step_attention_equals_unified_attention_per_layer(context):
     """Four layers of one eager step (different KV caches, the same metadata): the bound relaunches
-    compute bit for bit what a full `unified_attention` call per layer does, split KV included."""
-    from attention.kernels.unified_attention import StepAttention
+    (tensors, or addresses as a PIECEWISE break passes them) compute bit for bit what a full
+    `unified_attention` call per layer does, split KV included."""
+    from attention.kernels.unified_attention import StepAttention, layer_key
 
     b = Batch(num_tokens=4, num_reqs=4, max_blocks=256, num_blocks=1024, block_size=16)
     b.fill([1, 1, 1], [context, context // 2, 7], seed=3)
@@ -273,9 +274,13 @@ def test_step_attention_equals_unified_attention_per_layer(context):
     max_seq_len = int(b.seq_lens.max())
     step = StepAttention(b.query_start_loc, b.seq_lens, b.block_table, max_seq_len)
     got, want = [], []
-    for cache in caches:
+    for index, cache in enumerate(caches):
         out = torch.full_like(b.query, float("nan"))
-        step(b.query, cache, out, b.scale)
+        if index % 2:   # a PIECEWISE break's call: addresses computed once
+            key = layer_key(b.query, cache, out, b.scale)
+            step.call_addressed(key, (b.query.data_ptr(), cache.data_ptr(), out.data_ptr()), b.query, cache, out, b.scale)
+        else:
+            step(b.query, cache, out, b.scale)
         got.append(out)
         ref = torch.full_like(b.query, float("nan"))
         unified_attention(b.query, cache, ref, b.query_start_loc, b.seq_lens, b.block_table, b.scale,

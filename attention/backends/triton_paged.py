@@ -58,13 +58,14 @@ class TritonPagedBackend(AttentionBackend):
     def prepare_replay(self, layer: Any, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
                        out: torch.Tensor, kv_cache: torch.Tensor):
         """A PIECEWISE break's replay (`attention.layer._prepare_attention_replay`): the recorded q
-        and out never change, so their `layer_key` is computed here, once; each replay then only
-        looks up the step's StepAttention. Generic (None) when the layer leaves the KV write to the
-        backend (key given)."""
+        and out never change, so their `layer_key` and the three addresses are computed here,
+        once; each replay then only looks up the step's StepAttention. Generic (None) when the
+        layer leaves the KV write to the backend (key given)."""
         if key is not None:
             return None
         index, scale = layer.cache_index, layer.scale
         recorded_key = layer_key(query, kv_cache, out, scale)
+        addresses = (query.data_ptr(), kv_cache.data_ptr(), out.data_ptr())
 
         def replay() -> None:
             context = get_forward_context()
@@ -72,7 +73,7 @@ class TritonPagedBackend(AttentionBackend):
             if cache is not kv_cache or context.runtime_mode == CUDAGraphMode.FULL:   # not what was captured
                 self.forward(layer, query, None, None, out, cache, metadata)
                 return
-            self._step_attention(metadata).call_keyed(recorded_key, query, cache, out, scale)
+            self._step_attention(metadata).call_addressed(recorded_key, addresses, query, cache, out, scale)
 
         return replay
 

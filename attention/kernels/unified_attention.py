@@ -442,7 +442,10 @@ class StepAttention:
         self._key: tuple | None = None
         self._kernel = None
         self._grid: tuple = ()
-        self._rest: tuple = ()   # every argument after query, kv_cache, out (not those: no memory kept alive)
+        self._rest: tuple = ()
+        """Every argument after query, kv_cache and out, tensors as their device addresses (the C
+        launcher takes an int as it is; a tensor costs it a `data_ptr()` call and a driver query)."""
+        self._alive: tuple = ()   # the tensors behind those addresses (the split scratch is this step's)
         self._device_index = 0
         self._stream = None
         self.relaunches = 0
@@ -466,5 +469,19 @@ class StepAttention:
         kernel = launch.run()
         if kernel is not None and launch.merge is None and self._kernel is None:
             self._key, self._kernel, self._grid = key, kernel, launch.grid
-            self._rest, self._device_index = launch.args[3:], launch.options["device_index"]
+            self._alive = launch.args[3:]
+            self._rest = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in self._alive)
+            self._device_index = launch.options["device_index"]
             self._stream = _attention_launch.stream_of(self._device_index)   # the step's stream
+
+    def call_addressed(self, key: tuple, addresses: tuple[int, int, int], query: torch.Tensor,
+                       kv_cache: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+        """`call_keyed` for tensors that never move (a PIECEWISE break's recorded q, KV cache and
+        out), with their `addresses` (data_ptr) computed once: once the step's launch is bound, a
+        call is the C launcher on ints alone."""
+        if self._kernel is not None and key == self._key:
+            _attention_launch.relaunch(self._kernel, self._grid, addresses + self._rest, self._device_index,
+                                       self._stream)
+            self.relaunches += 1
+            return
+        self.call_keyed(key, query, kv_cache, out, scale)
