@@ -73,7 +73,7 @@ if [[ $STAGE == compare ]]; then  # session 5's s5check without its tests: a cha
   step profile-1b 60 python3 scripts/profile_step.py --shape llama-3.2-1b --mode FULL --batch-size 1
 fi
 if [[ $STAGE == s6 ]]; then  # session 6: cold capture with kernels compiled ahead vs at first launch; PIECEWISE
-  # bs1 with break replays on addresses vs OLD_TREE (the commit before); its host profile; the cuda tests
+  # bs1 with break replays on addresses vs OLD_TREE (the commit before); its host profile (tests: stage `tests`)
   capture=(scripts/bench_capture.py --cold --modes FULL_AND_PIECEWISE FULL_AND_PIECEWISE)
   step capture-ahead 150 python3 "${capture[@]}" --json "$OUT/capture_ahead.json"
   step capture-serial 150 env GRAPHRUNNER_COMPILE_THREADS=0 python3 "${capture[@]}" --json "$OUT/capture_serial.json"
@@ -87,7 +87,6 @@ if [[ $STAGE == s6 ]]; then  # session 6: cold capture with kernels compiled ahe
     fi
   done
   step profile-pw 60 python3 scripts/profile_step.py --mode PIECEWISE --batch-size 1 --host-profile
-  step cuda-tests 300 python3 -m pytest -q -p no:cacheprovider -m cuda -rA tests --deselect tests/test_pipeline.py
 fi
 echo
 echo "| step         | result | time  |"
