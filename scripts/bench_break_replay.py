@@ -1,11 +1,16 @@
-"""PIECEWISE decode with break replays prepared at capture vs the generic op call, in one process.
+"""PIECEWISE decode with its replay shortcuts on and off, in one process.
 
     python scripts/bench_break_replay.py [--shape smollm2-135m] [--batch-size 1] [--blocks 6] [--steps 40]
 
-The two replays alternate in blocks of `--steps` engine steps (the device host's speed drifts, so a
+Three variants alternate in blocks of `--steps` engine steps (the device host's speed drifts, so a
 before/after across runs measures the host, not the change); the median step time of each is
-printed with the per-block figures. "generic" rebuilds every captured BreakableGraph's calls as
-`op(*args, **kwargs)`, which is what a replay did before `prepare_replay`.
+printed with the per-block figures:
+- "fast": as the engine runs (break replays prepared at capture, attention through Triton's C
+  launch directly, segments through torch's C++ replay);
+- "python-launch": prepared break replays, but attention through Triton's Python launcher and
+  segments through `CUDAGraph.replay` (what session 6 changed);
+- "generic": every captured BreakableGraph's calls rebuilt as `op(*args, **kwargs)`, which is what
+  a replay did before `prepare_replay`.
 """
 
 from __future__ import annotations
@@ -24,11 +29,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_shapes import SHAPES, write_config  # noqa: E402
 
 
-def _set_calls(runner, prepared: bool) -> None:
+VARIANTS = ("fast", "python-launch", "generic")
+
+
+def _set_variant(runner, variant: str) -> None:
+    """Rebuild every captured BreakableGraph's per-segment replays and break calls for `variant`."""
+    from attention.kernels import unified_attention
+    from runner.cudagraph.breakable import _replay_of
+    launcher = unified_attention._attention_launch
+    vars(launcher).pop("direct_launch", None)          # FastLaunch.direct_launch again
+    if variant != "fast":
+        launcher.direct_launch = lambda kernel, grid, stream: None
     for entry in runner.piecewise._entries.values():
         graph = entry.graph
+        prepared = variant != "generic"
         graph._calls = [(r.replay if prepared and r.replay else functools.partial(r.op, *r.args, **r.kwargs))
                         for r in graph.breaks]
+        graph._replays = [_replay_of(s) if variant == "fast" else s.replay for s in graph.segments]
 
 
 def main() -> None:
@@ -50,26 +67,27 @@ def main() -> None:
                   cudagraph_mode="PIECEWISE", max_model_len=2048, gpu_memory_utilization=0.5)
         engine = llm.engine
         runner = engine.model_runner
-        params = SamplingParams(temperature=0.0, max_tokens=args.blocks * args.steps * 2 + 50, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=args.blocks * args.steps * len(VARIANTS) + 50,
+                                ignore_eos=True)
         for i in range(args.batch_size):
             engine.add_request(list(range(1, 129)), params, request_id=f"r{i}")
         for _ in range(10):   # prefill and warm-up
             engine.step()
-        times = {True: [], False: []}
-        for block in range(2 * args.blocks):
-            prepared = block % 2 == 0
-            _set_calls(runner, prepared)
+        times = {variant: [] for variant in VARIANTS}
+        for block in range(len(VARIANTS) * args.blocks):
+            variant = VARIANTS[block % len(VARIANTS)]
+            _set_variant(runner, variant)
             torch.cuda.synchronize()
             started = time.perf_counter()
             for _ in range(args.steps):
                 engine.step()
             torch.cuda.synchronize()
-            times[prepared].append((time.perf_counter() - started) / args.steps * 1e3)
+            times[variant].append((time.perf_counter() - started) / args.steps * 1e3)
         llm.shutdown()
-    for prepared, name in ((True, "prepared"), (False, "generic")):
-        print(f"{args.shape} PIECEWISE bs{args.batch_size} {name:8s}: median {statistics.median(times[prepared]):.3f} "
-              f"ms/step, blocks {', '.join(f'{t:.3f}' for t in times[prepared])}")
-    print(f"generic / prepared: {statistics.median(times[False]) / statistics.median(times[True]):.3f}")
+    medians = {variant: statistics.median(t) for variant, t in times.items()}
+    for variant in VARIANTS:
+        print(f"{args.shape} PIECEWISE bs{args.batch_size} {variant:13s}: median {medians[variant]:.3f} ms/step "
+              f"({medians[variant] / medians['fast']:.3f}x fast), blocks {', '.join(f'{t:.3f}' for t in times[variant])}")
 
 
 if __name__ == "__main__":

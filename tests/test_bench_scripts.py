@@ -166,12 +166,14 @@ def test_gemv_configs_bench_cpu_smoke(tmp_path):
     assert json.loads(out.read_text())["rows"] == rows
 
 
-def test_break_replay_bench_switches_every_graph_between_prepared_and_generic_calls(capsys, monkeypatch):
+def test_break_replay_bench_switches_every_graph_between_variants(capsys, monkeypatch):
     """The A/B of scripts/bench_break_replay.py on fake graphs: prepared calls are the records'
-    replays where they have one; generic calls are the ops on the recorded inputs."""
+    replays where they have one; generic calls are the ops on the recorded inputs; only "fast"
+    lets attention take the direct launch."""
     from types import SimpleNamespace
 
     import bench_break_replay
+    from attention.kernels import unified_attention
     from runner.cudagraph.breakable import BreakableGraph, BreakRecord
 
     seen = []
@@ -180,11 +182,18 @@ def test_break_replay_bench_switches_every_graph_between_prepared_and_generic_ca
     graph = BreakableGraph([SimpleNamespace(replay=lambda: None)] * 3,
                            [BreakRecord(op, (1,), {"out": None}, fast), BreakRecord(op, (2,), {"out": None})])
     runner = SimpleNamespace(piecewise=SimpleNamespace(_entries={"desc": SimpleNamespace(graph=graph)}))
-    bench_break_replay._set_calls(runner, prepared=False)
-    graph.replay()
-    bench_break_replay._set_calls(runner, prepared=True)
-    graph.replay()
-    assert seen == [("op", 1), ("op", 2), "fast", ("op", 2)]
+    launcher = unified_attention._attention_launch
+    try:
+        bench_break_replay._set_variant(runner, "generic")
+        graph.replay()
+        bench_break_replay._set_variant(runner, "python-launch")
+        assert launcher.direct_launch("kernel", (1,), 0) is None
+        graph.replay()
+        bench_break_replay._set_variant(runner, "fast")
+        graph.replay()
+    finally:
+        vars(launcher).pop("direct_launch", None)
+    assert seen == [("op", 1), ("op", 2)] + ["fast", ("op", 2)] * 2
     if not torch.cuda.is_available():
         monkeypatch.setattr(sys, "argv", ["bench_break_replay.py"])
         bench_break_replay.main()

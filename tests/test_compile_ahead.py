@@ -99,3 +99,27 @@ def test_compile_threads(monkeypatch, value, expected):
     else:
         monkeypatch.setenv("GRAPHRUNNER_COMPILE_THREADS", value)
         assert ahead.compile_threads() == expected
+
+
+def test_a_repeated_launch_is_queued_once_and_constexprs_count_by_value(fake_mode):
+    """Inside one block a launch whose key was queued is not handed to Triton again; a positional
+    constexpr (known from fn.params) and keyword options count by value, tensors by dtype and
+    alignment, plain ints by what Triton specialises on."""
+    import torch
+    from types import SimpleNamespace
+    fn = FakeJIT()
+    fn.params = [SimpleNamespace(is_constexpr=False), SimpleNamespace(is_constexpr=False),
+                 SimpleNamespace(is_constexpr=True)]
+    x = torch.zeros(8)
+    with ahead.compile_ahead(1):
+        ahead.launch(fn, (1,), x, 32, 64, BLOCK=4)
+        ahead.launch(fn, (9,), torch.ones(8), 48, 64, BLOCK=4)      # same variant: skipped
+        ahead.launch(fn, (1,), x, 32, 128, BLOCK=4)                 # another positional constexpr
+        ahead.launch(fn, (1,), x, 1, 64, BLOCK=4)                   # an int that became 1
+        ahead.launch(fn, (1,), x.double(), 32, 64, BLOCK=4)         # another dtype
+        ahead.launch(fn, (1,), x, 32, 64, BLOCK=8)                  # another keyword constexpr
+        ahead.launch(fn, (1,), x[1:], 32, 64, BLOCK=4)              # misaligned by 4 bytes
+    assert len(fn.warmups) == 6
+    with ahead.compile_ahead(1):                                     # a new block starts empty
+        ahead.launch(fn, (1,), x, 32, 64, BLOCK=4)
+    assert len(fn.warmups) == 7

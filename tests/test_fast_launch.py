@@ -141,3 +141,47 @@ def test_generated_key_equals_the_generic_key_and_argument_types_that_differ_fal
     other = (x, torch.zeros(2), 5, 0.5, 7)            # a tensor where the first call had an int
     assert launch._fast_key(other, options) == ("generic",) + launch.key(other, options)
     assert launch._fast_key(other, options) != launch._fast_key(args, options)
+
+
+class FakeTritonLauncher:
+    """Like Triton's CudaLauncher: `__call__(grid, stream, function, metadata, launch metadata, hooks,
+    *args)` does Python work and then calls its C `launch` (an instance attribute) with the grid,
+    the stream, a tail of its own and the kernel's arguments. `scratch` stands for a per-launch
+    scratch allocation (then the direct path must not be offered)."""
+
+    def __init__(self, scratch=None) -> None:
+        self.scratch, self.launches = scratch, []
+        self.launch = lambda *call: self.launches.append(call)
+
+    def __call__(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit_, *args):
+        self.launch(gx, gy, gz, stream, function, 0, 1, metadata, launch_metadata, enter, exit_, self.scratch, *args)
+
+
+def _kernel_with(launcher):
+    return SimpleNamespace(function="fn-handle", packed_metadata="packed", run=launcher)
+
+
+def test_direct_launch_learns_the_tail_once_without_launching():
+    _, launch = _fake()
+    launcher = FakeTritonLauncher()
+    kernel = _kernel_with(launcher)
+    direct = launch.direct_launch(kernel, (3, 2), 1234)
+    assert launcher.launches == []          # learning ran the Python launcher into a recorder only
+    assert launch.direct_launch(kernel, (5,), 99) is not None and len(launch._launch_tails) == 1
+    x = torch.zeros(4)
+    direct(x, 32, 9, 0.25, 7)
+    assert launcher.launches == [(3, 2, 1, 1234, "fn-handle", 0, 1, "packed", None, None, None, None,
+                                  x, 32, 9, 0.25, 7)]
+    launcher(3, 2, 1, 1234, "fn-handle", "packed", None, None, None, x, 32, 9, 0.25, 7)
+    assert launcher.launches[0] == launcher.launches[1]   # exactly what Triton's own path passes
+
+
+def test_direct_launch_is_refused_where_it_is_not_known_to_be_safe():
+    _, launch = _fake()
+    assert launch.direct_launch(_kernel_with(FakeTritonLauncher(scratch=torch.zeros(8))), (1,), 0) is None
+    assert launch.direct_launch(_kernel_with(lambda *call: None), (1,), 0) is None   # no C `launch` to call
+
+    class Reordering(FakeTritonLauncher):   # passes the arguments on in another order
+        def __call__(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit_, *args):
+            self.launch(gx, gy, gz, stream, function, *reversed(args))
+    assert launch.direct_launch(_kernel_with(Reordering()), (1,), 0) is None

@@ -436,11 +436,13 @@ def test_split_count_from_padded_shapes_and_fitted_to_the_context_when_eager(mon
     assert ua.default_num_splits(1, 1, 8, torch.device("cpu"), max_seq_len=4096) == 1
 
 
-def test_step_attention_relaunches_the_first_layers_launch_with_each_layers_tensors(monkeypatch):
+@pytest.mark.parametrize("direct", [False, True], ids=["relaunch", "direct-launch"])
+def test_step_attention_relaunches_the_first_layers_launch_with_each_layers_tensors(monkeypatch, direct):
     """Layers of one step: the first binds the launch, the others relaunch it with their own q, KV
     cache and out; the arguments are exactly those `unified_attention` would pass. A layer whose
     tensors differ (here: another dtype) takes the full path. A fake launcher stands in for
-    FastLaunch, which only binds compiled kernels (a GPU test runs the real one)."""
+    FastLaunch, which only binds compiled kernels (a GPU test runs the real one); it offers a
+    direct launch or not (FastLaunch.direct_launch), and either takes the same arguments."""
     from attention.kernels import unified_attention as ua
 
     calls = []
@@ -456,6 +458,12 @@ def test_step_attention_relaunches_the_first_layers_launch_with_each_layers_tens
         def relaunch(self, kernel, grid, args, device_index=0, stream=None):
             assert kernel == "compiled kernel" and stream == 1234   # the stream read when the launch was bound
             calls.append(("relaunch", grid, args))
+
+        def direct_launch(self, kernel, grid, stream):
+            assert kernel == "compiled kernel" and stream == 1234
+            if not direct:
+                return None
+            return lambda *args: calls.append(("relaunch", grid, args))
 
     monkeypatch.setattr(ua, "_attention_launch", FakeLaunch())
     b = make_batch([1, 1, 1], [5, 17, 30], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4, pad_reqs=1)

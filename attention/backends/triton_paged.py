@@ -18,7 +18,7 @@ from attention.backends.base import AttentionBackend, AttentionCGSupport
 from attention.forward_context import current_runtime_mode, get_forward_context
 from attention.kernels.kv_write import write_kv
 from attention.backends.torch_sdpa import TorchSDPABackend
-from attention.kernels.unified_attention import StepAttention, layer_key, unified_attention
+from attention.kernels.unified_attention import StepAttention, interned_layer_key, unified_attention
 from attention.metadata import CommonAttentionMetadata
 from configs.graph_mode import CUDAGraphMode
 
@@ -64,7 +64,7 @@ class TritonPagedBackend(AttentionBackend):
         if key is not None:
             return None
         index, scale = layer.cache_index, layer.scale
-        recorded_key = layer_key(query, kv_cache, out, scale)
+        recorded_key = interned_layer_key(query, kv_cache, out, scale)
         addresses = (query.data_ptr(), kv_cache.data_ptr(), out.data_ptr())
 
         def replay() -> None:

@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 
 _active = False
 """True inside `compile_ahead`: launches queue compiles instead of running."""
+_queued: set[tuple] = set()
+"""Launch keys queued in this `compile_ahead` block: a repeat is skipped before Triton's binder,
+which costs tens of microseconds a call (a pass runs ~100 forwards of ~200 launches each)."""
 
 
 def compiling_ahead() -> bool:
@@ -35,9 +38,33 @@ def compiling_ahead() -> bool:
 def launch(fn: Any, grid: tuple, *args: Any, **options: Any) -> Any:
     """`fn[grid](*args, **options)`, or inside `compile_ahead` only its compilation, queued (None)."""
     if _active:
-        fn.warmup(*args, grid=grid, **options)
+        key = launch_key(fn, args, options)
+        if key not in _queued:
+            _queued.add(key)
+            fn.warmup(*args, grid=grid, **options)
         return None
     return fn[grid](*args, **options)
+
+
+def launch_key(fn: Any, args: tuple, options: dict) -> tuple:
+    """At least everything Triton specialises a compiled kernel on, for these arguments:
+    constexprs (positional ones by `fn.params`, keyword arguments, compile options) by value,
+    tensors by dtype and 16-byte alignment, other ints by (== 1, % 16 == 0, fits in 32 bits),
+    other scalars by type. Equal keys: the same variant; it may tell apart calls Triton would
+    not (an int Triton does not specialise on), which costs one more warm-up call, never a missed
+    compile."""
+    params = getattr(fn, "params", None) or ()
+    parts = []
+    for index, arg in enumerate(args):
+        if index < len(params) and params[index].is_constexpr:
+            parts.append(arg)
+        elif type(arg) is int:
+            parts.append((arg == 1, arg % 16 == 0, -(2 ** 31) <= arg < 2 ** 31))
+        elif hasattr(arg, "data_ptr"):
+            parts.append((arg.dtype, arg.data_ptr() % 16 == 0))
+        else:
+            parts.append(type(arg))
+    return (fn, tuple(parts), tuple(sorted(options.items())))
 
 
 def compile_threads() -> int:
@@ -76,3 +103,4 @@ def compile_ahead(threads: int) -> Iterator[bool]:
             yield True
         finally:
             _active = False
+            _queued.clear()

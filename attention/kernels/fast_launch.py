@@ -107,6 +107,10 @@ class FastLaunch:
         self.kinds = _param_kinds(fn)
         self.stream_of = stream_of
         self.compiled: dict[tuple, Any] = {}
+        self._launch_tails: dict[int, tuple[Any, tuple | None]] = {}
+        """Per compiled kernel (by id): the kernel, and what Triton's launcher passes its C launch
+        between (grid, stream) and the kernel's arguments, or None where `direct_launch` cannot
+        be used (see there)."""
         self.fast_launches = 0
         self._key_fn: Callable | None = None
         self._key_types: tuple = ()
@@ -174,6 +178,60 @@ class FastLaunch:
         kernel.run(grid[0], grid_1, grid_2, stream if stream is not None else self.stream_of(device_index),
                    kernel.function, kernel.packed_metadata, None, None, None, *args)
         self.fast_launches += 1
+
+
+    def direct_launch(self, kernel: Any, grid: tuple[int, ...], stream: int) -> Callable[..., None] | None:
+        """A callable `(*args)` that launches `kernel` on `grid` and `stream` straight through
+        Triton's C launch function, or None where that is not known to be safe (then use
+        `relaunch`). Why: Triton's Python launcher (`kernel.run`) builds two closures and asks
+        two allocators for scratch on every call before it reaches the C launch, ~2 us a launch;
+        a PIECEWISE step pays it once per layer. Safe because it is learned, not assumed: once per
+        kernel, `kernel.run` is called with marker values while its C launch is swapped for a
+        recorder (nothing launches); the call must reach it as (grid, stream, <tail>, *args) with
+        no scratch buffer in the tail (a kernel that needs per-launch scratch gets None). The
+        caller vouches for the arguments as for `relaunch` (all of them, constexprs included;
+        tensors may be passed as their device addresses)."""
+        learned = self._launch_tails.get(id(kernel))
+        if learned is None:   # keyed by id, holding the kernel (so the id is never reused)
+            learned = self._launch_tails[id(kernel)] = (kernel, _learn_launch_tail(kernel, len(self.kinds or ())))
+        tail = learned[1]
+        if tail is None:
+            return None
+        grid_1 = grid[1] if len(grid) > 1 else 1
+        grid_2 = grid[2] if len(grid) > 2 else 1
+        return functools.partial(kernel.run.launch, grid[0], grid_1, grid_2, stream, *tail)
+
+
+class _Marker:
+    """An argument no launcher would make up (see `_learn_launch_tail`)."""
+
+
+def _learn_launch_tail(kernel: Any, num_args: int) -> tuple | None:
+    runner = getattr(kernel, "run", None)
+    launch = getattr(runner, "launch", None)
+    if launch is None or num_args == 0:
+        return None
+    grid_stream, args, seen = (7, 11, 13, 17), tuple(_Marker() for _ in range(num_args)), []
+    own = "launch" in vars(runner)
+    runner.launch = lambda *a: seen.append(a)
+    try:
+        runner(*grid_stream, kernel.function, kernel.packed_metadata, None, None, None, *args)
+    except Exception:   # a launcher that does something else with its arguments: not this path
+        return None
+    finally:
+        if own:
+            runner.launch = launch
+        else:
+            del runner.launch
+    if len(seen) != 1 or len(seen[0]) < 4 + num_args:
+        return None
+    called = seen[0]
+    tail = called[4:len(called) - num_args]
+    if called[:4] != grid_stream or any(a is not b for a, b in zip(called[len(called) - num_args:], args)):
+        return None
+    if any(hasattr(value, "data_ptr") or isinstance(value, _Marker) for value in tail):
+        return None   # scratch allocated for this launch: it must be allocated per launch
+    return tail
 
 
 @functools.cache

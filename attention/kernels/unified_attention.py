@@ -423,6 +423,16 @@ def layer_key(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, sc
             kv_cache.data_ptr() % 16 == 0, scale)
 
 
+_interned_keys: dict[tuple, tuple] = {}
+
+
+def interned_layer_key(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scale: float) -> tuple:
+    """`layer_key`, one object for equal keys (the layers of a model share theirs), so a
+    StepAttention compares a PIECEWISE break's key by identity instead of field by field."""
+    key = layer_key(query, kv_cache, out, scale)
+    return _interned_keys.setdefault(key, key)
+
+
 class StepAttention:
     """`unified_attention` for the eager calls of one step (every layer of a PIECEWISE replay or a
     NONE step), at a fraction of the host cost: the first call checks and binds the launch (split
@@ -446,6 +456,7 @@ class StepAttention:
         """Every argument after query, kv_cache and out, tensors as their device addresses (the C
         launcher takes an int as it is; a tensor costs it a `data_ptr()` call and a driver query)."""
         self._alive: tuple = ()   # the tensors behind those addresses (the split scratch is this step's)
+        self._direct = None   # FastLaunch.direct_launch of the bound kernel, grid and stream (None: relaunch)
         self._device_index = 0
         self._stream = None
         self.relaunches = 0
@@ -459,8 +470,11 @@ class StepAttention:
         """`__call__` with `layer_key(query, kv_cache, out, scale)` already known (a PIECEWISE
         break computes it once at capture: its tensors never change)."""
         if self._kernel is not None and key == self._key:
-            _attention_launch.relaunch(self._kernel, self._grid, (query, kv_cache, out) + self._rest,
-                                       self._device_index, self._stream)
+            if self._direct is not None:
+                self._direct(query, kv_cache, out, *self._rest)
+            else:
+                _attention_launch.relaunch(self._kernel, self._grid, (query, kv_cache, out) + self._rest,
+                                           self._device_index, self._stream)
             self.relaunches += 1
             return
         launch = _plan(query, kv_cache, out, *self.metadata, scale, None, self.max_seq_len)
@@ -473,15 +487,16 @@ class StepAttention:
             self._rest = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in self._alive)
             self._device_index = launch.options["device_index"]
             self._stream = _attention_launch.stream_of(self._device_index)   # the step's stream
+            self._direct = _attention_launch.direct_launch(kernel, launch.grid, self._stream)
 
     def call_addressed(self, key: tuple, addresses: tuple[int, int, int], query: torch.Tensor,
                        kv_cache: torch.Tensor, out: torch.Tensor, scale: float) -> None:
         """`call_keyed` for tensors that never move (a PIECEWISE break's recorded q, KV cache and
         out), with their `addresses` (data_ptr) computed once: once the step's launch is bound, a
-        call is the C launcher on ints alone."""
-        if self._kernel is not None and key == self._key:
-            _attention_launch.relaunch(self._kernel, self._grid, addresses + self._rest, self._device_index,
-                                       self._stream)
+        call is Triton's C launch on ints alone (`FastLaunch.direct_launch`). Equal keys are one
+        object when they come from `interned_layer_key`: then `is` decides."""
+        if self._direct is not None and (key is self._key or key == self._key):
+            self._direct(*addresses, *self._rest)
             self.relaunches += 1
             return
         self.call_keyed(key, query, kv_cache, out, scale)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import types
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -107,6 +108,17 @@ def _alias(value: Any) -> Any:
     return value
 
 
+def _replay_of(segment: GraphLike) -> Callable[[], None]:
+    """The segment's replay. For a torch.cuda.CUDAGraph, torch's C++ replay bound to it: the
+    Python `CUDAGraph.replay` around it only re-checks state that a graph captured here always
+    has (an instantiated executable; no pool tracker), and a PIECEWISE step replays ~31 segments
+    per forward. Any other graph (tests' fakes, a tracked pool) keeps its own `replay`."""
+    native = getattr(getattr(torch._C, "_CUDAGraph", None), "replay", None)
+    if native is None or not isinstance(segment, torch._C._CUDAGraph) or getattr(segment, "_tracker", None) is not None:
+        return segment.replay
+    return types.MethodType(native, segment)
+
+
 @dataclass(frozen=True)
 class BreakRecord:
     op: Callable[..., Any]
@@ -124,12 +136,13 @@ class BreakableGraph:
             raise ValueError(f"{len(segments)} segments for {len(breaks)} breaks")
         self.segments, self.breaks = segments, breaks
         self._calls = [r.replay or functools.partial(r.op, *r.args, **r.kwargs) for r in breaks]
+        self._replays = [_replay_of(segment) for segment in segments]
 
     def replay(self) -> None:
-        for segment, call in zip(self.segments, self._calls):
-            segment.replay()
+        for replay, call in zip(self._replays, self._calls):
+            replay()
             call()
-        self.segments[-1].replay()
+        self._replays[-1]()
 
     def break_inputs(self) -> list[tuple[tuple, dict]]:
         """(args, kwargs) of each break, for the debug address check."""
