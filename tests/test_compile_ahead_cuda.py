@@ -30,6 +30,9 @@ from runner import model_runner as mr
 counts = {{"phase": "load_and_profile"}}
 def on_compile(*args, **kwargs):
     counts[counts["phase"]] = counts.get(counts["phase"], 0) + 1
+    fn = kwargs.get("fn")
+    what = {{k: v for k, v in (kwargs.get("compile") or {{}}).items() if k in ("constants", "signature", "num_warps")}}
+    counts.setdefault("kernels", []).append([counts["phase"], getattr(fn, "name", str(fn)), str(what)[:600]])
 knobs.runtime.jit_post_compile_hook = on_compile
 
 precompile = mr.ModelRunner.precompile_graph_kernels
@@ -57,6 +60,8 @@ def test_capture_compiles_nothing_after_compiling_ahead(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     counts = json.loads(done.stdout.split("COUNTS ", 1)[1])
+    for phase, name, what in counts.pop("kernels", []):
+        print(phase, name, what)
     print(counts)
     assert counts.get("precompile", 0) > 0, counts
     assert counts.get("reserve_and_capture", 0) == 0, counts
