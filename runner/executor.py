@@ -17,18 +17,18 @@ logger = logging.getLogger(__name__)
 
 
 def start_model_runner(runner: ModelRunner, config: EngineConfig, agree=min) -> int:
-    """The warm-up contract, steps 1-4: load, profile without a KV cache, compile the graphs'
-    kernels ahead (in parallel), measure the graph reserve, size and allocate the cache, capture.
-    `agree` reduces the block count across pipeline ranks (every rank must allocate the same
-    number). Returns the block count."""
+    """The warm-up contract, steps 1-4: load, profile without a KV cache, measure the graph
+    reserve, size and allocate the cache, capture; all but the load with their Triton kernels
+    compiled ahead, in parallel (`kernels_compiled_ahead`). `agree` reduces the block count
+    across pipeline ranks (every rank must allocate the same number). Returns the block count."""
     runner.load_model()
-    peak = runner.profile_run()
-    runner.precompile_graph_kernels()
-    reserve = runner.measure_graph_reserve()
-    blocks = num_kv_blocks(config, runner.kv_cache_bytes_per_block(), runner.device, peak, reserve)
-    blocks = agree(blocks)
-    runner.initialize_kv_cache(blocks)
-    runner.capture_cudagraphs()
+    with runner.kernels_compiled_ahead():
+        peak = runner.profile_run()
+        reserve = runner.measure_graph_reserve()
+        blocks = num_kv_blocks(config, runner.kv_cache_bytes_per_block(), runner.device, peak, reserve)
+        blocks = agree(blocks)
+        runner.initialize_kv_cache(blocks)
+        runner.capture_cudagraphs()
     return blocks
 
 

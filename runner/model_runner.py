@@ -11,12 +11,13 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import ClassVar
+from contextlib import contextmanager
+from typing import ClassVar, Iterator
 
 import torch
 
 from attention.backends import get_attention_backend
-from attention.kernels.compile_ahead import compile_ahead, compile_threads
+from attention.kernels.compile_ahead import compile_ahead, compile_threads, queuing_launches
 from attention.forward_context import ForwardContext, get_forward_context, set_forward_context
 from configs import CUDAGraphMode, EngineConfig, SamplingParams
 from models.hf_config import ModelSpec
@@ -97,7 +98,9 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] | None = None
         self.cuda_graph_ready = False
         self.precompile_seconds = 0.0
-        """How long `precompile_graph_kernels` took (0: not run, or nothing to do)."""
+        """How long `kernels_compiled_ahead` took to queue the compiles (0: not used)."""
+        self.compile_wait_seconds = 0.0
+        """How long leaving `kernels_compiled_ahead` waited for compiles nothing had needed yet."""
         self.capture_phase = CapturePhase()
         self.graph_factory = CUDA_GRAPHS
         """What a graph is; CPU tests of the capture state machine swap in a fake."""
@@ -155,14 +158,7 @@ class ModelRunner:
                 prime_capture_stream(self.graph_factory, self.dtype)  # its cuBLAS workspace: in the peak
         # On a CPU the KV budget is a configured byte count, so the peak is not needed: a small
         # batch still exercises the no-KV-cache path without minutes of 8k-token attention.
-        num_tokens = self.max_num_tokens if self.device.type == "cuda" else min(self.max_num_tokens, 256)
-        per_req = min(self.max_model_len, num_tokens)
-        lens = [per_req] * (num_tokens // per_req) + ([num_tokens % per_req] if num_tokens % per_req else [])
-        lens = lens[: self.max_num_reqs]
-        requests = [[0] * n for n in lens]
-        common = self.input_batch.prepare(requests, [0] * len(lens), [[] for _ in lens], sum(lens), len(lens),
-                                             slots_enabled=False)
-        hidden = self._forward(sum(lens), common, CUDAGraphMode.NONE, None)
+        hidden = self._forward(*self._profile_batch(), CUDAGraphMode.NONE, None)
         if hidden is not None and self.model.model.is_last:
             logits = self.model.compute_logits(hidden[: min(self.max_num_reqs, hidden.shape[0])])
             profile_params = [SamplingParams(top_k=50, top_p=0.9, logprobs=5)] * logits.shape[0]
@@ -171,6 +167,16 @@ class ModelRunner:
             return 0
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device)
+
+    def _profile_batch(self):
+        """(tokens, metadata) of the profile run: max_num_batched_tokens of prefill, no cache slots."""
+        num_tokens = self.max_num_tokens if self.device.type == "cuda" else min(self.max_num_tokens, 256)
+        per_req = min(self.max_model_len, num_tokens)
+        lens = [per_req] * (num_tokens // per_req) + ([num_tokens % per_req] if num_tokens % per_req else [])
+        lens = lens[: self.max_num_reqs]
+        requests = [[0] * n for n in lens]
+        return sum(lens), self.input_batch.prepare(requests, [0] * len(lens), [[] for _ in lens], sum(lens),
+                                                   len(lens), slots_enabled=False)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = (2, num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
@@ -193,43 +199,50 @@ class ModelRunner:
 
     def _capture_one(self, mode: CUDAGraphMode, desc: BatchDescriptor, forward=None) -> None:
         """The descriptor's inert batch through the graph wrappers (which capture it), or through
-        `forward` instead (the model itself: `precompile_graph_kernels`)."""
+        `forward` instead (the model itself: `kernels_compiled_ahead`)."""
         requests, padded_reqs = self._dummy_batch(desc)
         common = self.input_batch.prepare(requests, [0] * len(requests), [[] for _ in requests],
                                              desc.num_tokens, padded_reqs, slots_enabled=False)
         self._forward(desc.num_tokens, common, mode, desc, forward)
 
-    def precompile_graph_kernels(self) -> None:
-        """Compile every Triton kernel variant the graph captures will launch, on compiler threads
-        (attention/kernels/compile_ahead.py), before they are needed: on an empty Triton cache the
-        captures' warm-up runs would otherwise compile them one at a time. Each capture key's inert
-        batch runs once through the model itself (no graph wrapper) in the key's runtime mode,
-        so the kernels pick the variants the capture will (FULL's split-KV attention, the decode
-        head), against a one-block scratch KV cache of the real cache's layout; the launches only
-        queue compiles. A no-op on a CPU, with graphs off, or with GRAPHRUNNER_COMPILE_THREADS=0."""
-        self.precompile_seconds = 0.0
+    @contextmanager
+    def kernels_compiled_ahead(self) -> Iterator[None]:
+        """Start-up inside this block compiles its Triton kernels on compiler threads
+        (attention/kernels/compile_ahead.py) instead of one at a time at their first launch.
+        Entering queues the compile of every variant the profile run and the graph captures will
+        launch: their inert batches run once through the model itself (no graph wrapper), the
+        profile batch without a KV cache, each capture key in its runtime mode (so FULL's split-KV
+        attention and the decode head pick the variants the capture will) against a one-block
+        scratch KV cache of the real cache's layout. The compiles then run while the block does
+        its work: a launch of a kernel still compiling waits for that one. Leaving waits for the
+        rest. A plain block on a CPU, with graphs off, or with GRAPHRUNNER_COMPILE_THREADS=0."""
         threads = compile_threads()
         if self.cudagraph_mode == CUDAGraphMode.NONE or self.device.type != "cuda" or threads < 1:
+            yield
             return
         started = time.perf_counter()
-        with compile_ahead(threads) as queued:
-            if queued:
-                self._run_capture_batches(self.model_forward)
-        torch.cuda.synchronize(self.device)
-        self.precompile_seconds = time.perf_counter() - started
-        logger.info("compiled the kernels of %d graph shapes ahead on %d threads in %.2f s",
-                    len(self.dispatcher.all_keys_to_capture()), threads, self.precompile_seconds)
+        with compile_ahead(threads) as asynchronous:
+            if asynchronous:
+                with queuing_launches():
+                    self._run_start_up_batches(self.model_forward)
+            self.precompile_seconds = time.perf_counter() - started
+            logger.info("queued the compiles of the start-up's kernels (%d graph shapes) on %d threads in %.2f s",
+                        len(self.dispatcher.all_keys_to_capture()), threads, self.precompile_seconds)
+            yield
+            waiting = time.perf_counter()
+        self.compile_wait_seconds = time.perf_counter() - waiting
 
-    def _run_capture_batches(self, forward) -> None:
-        """Every capture key's inert batch through `forward` in the key's runtime mode, against a
-        one-block scratch KV cache (dropped afterwards)."""
-        self.initialize_kv_cache(1)
-        try:
-            with torch.inference_mode():
+    def _run_start_up_batches(self, forward) -> None:
+        """The profile batch (no KV cache), then every capture key's inert batch in the key's
+        runtime mode against a one-block scratch KV cache (dropped afterwards), through `forward`."""
+        with torch.inference_mode():
+            self._forward(*self._profile_batch(), CUDAGraphMode.NONE, None, forward)
+            self.initialize_kv_cache(1)
+            try:
                 for mode, desc in self.dispatcher.all_keys_to_capture():
                     self._capture_one(mode, desc, forward)
-        finally:
-            self.kv_caches = None
+            finally:
+                self.kv_caches = None
 
     def capture_cudagraphs(self) -> None:
         """Capture every graph the dispatcher may pick, largest first, in one shared pool.

@@ -90,6 +90,8 @@ if [[ $STAGE == s6 ]]; then  # session 6: cold capture with kernels compiled ahe
 fi
 if [[ $STAGE == s6b ]]; then  # session 6: thread-parallel Triton compiles; cold capture; PIECEWISE replay variants
   step compile-threads 90 python3 scripts/bench_compile_threads.py --variants 8 --threads 8
+  step capture-serial 120 env GRAPHRUNNER_COMPILE_THREADS=0 python3 scripts/bench_capture.py --cold \
+    --modes FULL_AND_PIECEWISE FULL_AND_PIECEWISE --json "$OUT/capture_serial.json"
   step capture-ahead 120 python3 scripts/bench_capture.py --cold --modes FULL_AND_PIECEWISE FULL_AND_PIECEWISE \
     --json "$OUT/capture_ahead.json"
   step break-replay 120 python3 scripts/bench_break_replay.py --blocks 5 --steps 40

@@ -1,7 +1,8 @@
-"""compile_ahead: inside it, launches queue their kernel's compilation and never run (CPU, fakes).
+"""compile_ahead / queuing_launches: inside both, launches queue their kernel's compilation and
+never run; inside compile_ahead alone they run (CPU, fakes).
 
-The real thing (Triton's async compile on threads, then a capture that compiles nothing) is
-the `cuda` test in test_cudagraph_gpu.py."""
+The real thing (Triton's async compile on threads; a start-up that compiles every kernel ahead)
+is the `cuda` test in test_compile_ahead_cuda.py."""
 
 from __future__ import annotations
 
@@ -50,11 +51,20 @@ def test_launch_runs_outside_and_queues_inside(fake_mode):
     fn = FakeJIT()
     ahead.launch(fn, (3,), 1, 2, BLOCK=4, num_warps=1)
     assert fn.launches == [((3,), (1, 2), {"BLOCK": 4, "num_warps": 1})] and not fn.warmups
-    with ahead.compile_ahead(2) as queued:
-        assert queued and ahead.compiling_ahead()
-        assert ahead.launch(fn, (5,), 7, BLOCK=8) is None
-    assert fn.warmups == [((5,), (7,), {"BLOCK": 8})] and len(fn.launches) == 1
+    with ahead.compile_ahead(2) as asynchronous:
+        assert asynchronous and not ahead.compiling_ahead()
+        with ahead.queuing_launches():
+            assert ahead.compiling_ahead()
+            assert ahead.launch(fn, (5,), 7, BLOCK=8) is None
+        ahead.launch(fn, (6,), 8)            # after the queuing block: a real launch again
+    assert fn.warmups == [((5,), (7,), {"BLOCK": 8})] and len(fn.launches) == 2
     assert not ahead.compiling_ahead() and fake_mode.entered == fake_mode.exited == 1
+
+
+def test_queuing_needs_compile_ahead():
+    with pytest.raises(RuntimeError, match="needs an active compile_ahead"):
+        with ahead.queuing_launches():
+            pass
 
 
 def test_fast_launch_queues_even_a_known_kernel(fake_mode):
@@ -64,7 +74,7 @@ def test_fast_launch_queues_even_a_known_kernel(fake_mode):
     launcher.kinds = (2,)          # pretend a compiled JITFunction with one plain parameter
     launcher._fast_key((1,), (0, 4, 3, False))
     launcher.compiled[launcher._fast_key((1,), (0, 4, 3, False))] = object()
-    with ahead.compile_ahead(1):
+    with ahead.compile_ahead(1), ahead.queuing_launches():
         assert launcher((1,), 1) is None
     assert len(fn.warmups) == 1 and not fn.launches and launcher.fast_launches == 0
 
@@ -83,12 +93,12 @@ def test_no_threads_or_no_async_mode_means_launches_run(monkeypatch):
 
 def test_nesting_raises_and_the_flag_resets_after_an_error(fake_mode):
     with pytest.raises(ValueError, match="boom"):
-        with ahead.compile_ahead(1):
+        with ahead.compile_ahead(1), ahead.queuing_launches():
             with pytest.raises(RuntimeError, match="cannot nest"):
                 with ahead.compile_ahead(1):
                     pass
             raise ValueError("boom")
-    assert not ahead.compiling_ahead()
+    assert not ahead.compiling_ahead() and not ahead._asynchronous
 
 
 @pytest.mark.parametrize("value, expected", [("0", 0), ("3", 3), (None, None)])
@@ -111,7 +121,7 @@ def test_a_repeated_launch_is_queued_once_and_constexprs_count_by_value(fake_mod
     fn.params = [SimpleNamespace(is_constexpr=False), SimpleNamespace(is_constexpr=False),
                  SimpleNamespace(is_constexpr=True)]
     x = torch.zeros(8)
-    with ahead.compile_ahead(1):
+    with ahead.compile_ahead(1), ahead.queuing_launches():
         ahead.launch(fn, (1,), x, 32, 64, BLOCK=4)
         ahead.launch(fn, (9,), torch.ones(8), 48, 64, BLOCK=4)      # same variant: skipped
         ahead.launch(fn, (1,), x, 32, 128, BLOCK=4)                 # another positional constexpr
@@ -120,6 +130,6 @@ def test_a_repeated_launch_is_queued_once_and_constexprs_count_by_value(fake_mod
         ahead.launch(fn, (1,), x, 32, 64, BLOCK=8)                  # another keyword constexpr
         ahead.launch(fn, (1,), x[1:], 32, 64, BLOCK=4)              # misaligned by 4 bytes
     assert len(fn.warmups) == 6
-    with ahead.compile_ahead(1):                                     # a new block starts empty
+    with ahead.compile_ahead(1), ahead.queuing_launches():           # a new block starts empty
         ahead.launch(fn, (1,), x, 32, 64, BLOCK=4)
     assert len(fn.warmups) == 7

@@ -115,9 +115,10 @@ def test_start_up_sequence_on_cpu_leaves_graphs_off(runner_factory, tmp_path):
     assert blocks == 32 and not runner.cuda_graph_ready
 
 
-def test_capture_batches_run_through_the_model_in_each_keys_mode(runner_factory):
-    """precompile_graph_kernels' pass: every capture key once, in its runtime mode, through the
-    model itself (no graph captured), against a scratch KV cache that is dropped afterwards."""
+def test_start_up_batches_run_through_the_model_in_each_keys_mode(runner_factory):
+    """kernels_compiled_ahead's pass: the profile batch without a KV cache, then every capture key
+    once, in its runtime mode, through the model itself (no graph captured), against a scratch KV
+    cache that is dropped afterwards."""
     from attention.forward_context import get_forward_context
     runner, _ = runner_factory("FULL_AND_PIECEWISE")
     NoOpGraphForTests.captures = 0
@@ -130,17 +131,19 @@ def test_capture_batches_run_through_the_model_in_each_keys_mode(runner_factory)
                      context.kv_caches is not None and context.kv_caches[0].shape[1] == 1))
         return runner.model_forward(input_ids, positions, intermediate)
 
-    runner._run_capture_batches(spy)
+    runner._run_start_up_batches(spy)
     keys = runner.dispatcher.all_keys_to_capture()
-    assert [(mode, desc, desc.num_tokens, True) for mode, desc in keys] == seen
-    assert {entry[0] for entry in seen} == {CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE}
+    assert seen[0] == (CUDAGraphMode.NONE, None, runner._profile_batch()[0], False)
+    assert [(mode, desc, desc.num_tokens, True) for mode, desc in keys] == seen[1:]
+    assert {entry[0] for entry in seen[1:]} == {CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE}
     assert NoOpGraphForTests.captures == 0 and runner.kv_caches is None
     assert runner.full.num_captured == runner.piecewise.num_captured == 0
 
 
-def test_precompile_is_a_no_op_on_a_cpu(runner_factory, monkeypatch):
+def test_compiling_ahead_is_a_plain_block_on_a_cpu(runner_factory, monkeypatch):
     runner, _ = runner_factory("FULL_AND_PIECEWISE")
     runner.load_model()
-    monkeypatch.setattr(runner, "_run_capture_batches", lambda forward: pytest.fail("ran on a CPU"))
-    runner.precompile_graph_kernels()
-    assert runner.precompile_seconds == 0.0 and runner.kv_caches is None
+    monkeypatch.setattr(runner, "_run_start_up_batches", lambda forward: pytest.fail("ran on a CPU"))
+    with runner.kernels_compiled_ahead():
+        ran = True
+    assert ran and runner.precompile_seconds == 0.0 and runner.kv_caches is None

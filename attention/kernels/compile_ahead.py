@@ -1,17 +1,19 @@
-"""Compile the Triton kernels some forwards will launch on worker threads, before running them.
+"""Compile Triton kernels on worker threads, ahead of their first launch.
 
 Why: on a fresh machine (empty Triton cache) a kernel variant compiles the first time it is
 launched, and the launches come one after another: the capture phase's warm-up runs met about
 nine variants one at a time (PERFORMANCE.md §S5: capture 10.6 s cold, 3.2 s warm, H100). Most of
-a Triton compile (LLVM, ptxas) runs without the GIL, so threads compile variants in parallel.
+a Triton compile (LLVM, ptxas) runs without the GIL, so threads compile variants in parallel
+(scripts/bench_compile_threads.py: 8 variants 4.5x faster on 8 threads, H200 host).
 
-How: inside `compile_ahead(threads)`, a launch made through `launch()` or `FastLaunch` does not
-run; it only queues its kernel's compilation (Triton's AsyncCompileMode: `JITFunction.warmup`
-returns at once, the compile runs on the pool) and returns None. Leaving the block waits for
-every queued compile (a compile error is raised there) and puts the kernels into Triton's
-caches, so the next real launch of the same variant finds it compiled. A forward run inside the
-block computes garbage (its Triton kernels never ran): only which variants it launches matters.
-Without Triton's async compile mode (older Triton) the block does nothing and says so.
+How: inside `compile_ahead(threads)` Triton compiles asynchronously on a thread pool (Triton's
+AsyncCompileMode): a launch of a kernel not yet compiled queues its compile and then waits for it
+(itself only). Inside `queuing_launches()` (within compile_ahead) a launch made through `launch()`
+or `FastLaunch` does not run at all: it only queues its compile (`JITFunction.warmup`) and
+returns None, so a forward run there queues every variant it would launch and computes garbage.
+The work after it in the compile_ahead block then finds its kernels compiled, or compiling.
+Leaving compile_ahead waits for every queued compile (a compile error is raised there). Without
+Triton's async compile mode (older Triton) compile_ahead does nothing and says so.
 """
 
 from __future__ import annotations
@@ -24,14 +26,17 @@ from typing import Any, Iterator
 
 logger = logging.getLogger(__name__)
 
+_asynchronous = False
+"""True inside `compile_ahead` (when it is on)."""
 _active = False
-"""True inside `compile_ahead`: launches queue compiles instead of running."""
+"""True inside `queuing_launches`: launches queue compiles instead of running."""
 _queued: set[tuple] = set()
-"""Launch keys queued in this `compile_ahead` block: a repeat is skipped before Triton's binder,
-which costs tens of microseconds a call (a pass runs ~100 forwards of ~200 launches each)."""
+"""Launch keys queued in this `queuing_launches` block: a repeat is skipped before Triton's
+binder, which costs tens of microseconds a call (a start-up runs ~100 forwards of ~200 launches)."""
 
 
 def compiling_ahead() -> bool:
+    """Whether launches only queue compiles now (inside `queuing_launches`)."""
     return _active
 
 
@@ -86,21 +91,35 @@ def _async_compile_mode() -> Any:
 
 @contextmanager
 def compile_ahead(threads: int) -> Iterator[bool]:
-    """Queue instead of launch inside the block (see the module docstring); yields whether it
-    does (False: no threads asked for, or a Triton without async compilation)."""
-    global _active
+    """Triton compiles on `threads` threads inside the block (see the module docstring); yields
+    whether they do (False: no threads asked for, or a Triton without async compilation)."""
+    global _asynchronous
     mode = _async_compile_mode()
     if threads < 1 or mode is None:
         if threads >= 1:
             logger.info("this Triton has no async compile mode: kernels compile at their first launch")
         yield False
         return
-    if _active:
+    if _asynchronous:
         raise RuntimeError("compile_ahead is already active; it cannot nest")
     with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool, mode(pool):
-        _active = True
+        _asynchronous = True
         try:
             yield True
         finally:
-            _active = False
-            _queued.clear()
+            _asynchronous = False
+
+
+@contextmanager
+def queuing_launches() -> Iterator[None]:
+    """Launches queue their kernel's compile and do not run, inside the block (only within an
+    active `compile_ahead`)."""
+    global _active
+    if not _asynchronous:
+        raise RuntimeError("queuing_launches() needs an active compile_ahead() around it")
+    _active = True
+    try:
+        yield
+    finally:
+        _active = False
+        _queued.clear()

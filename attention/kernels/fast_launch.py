@@ -80,6 +80,10 @@ try:
     from triton import knobs as _knobs
 except ImportError:  # a Triton before knobs: no fast path
     _knobs = None
+try:
+    from triton.runtime._async_compile import FutureKernel as _FutureKernel
+except ImportError:  # a Triton without async compilation (compile_ahead is off)
+    _FutureKernel = ()
 
 
 def _launch_hooks_set() -> bool:
@@ -160,6 +164,8 @@ class FastLaunch:
         kernel = self.compiled.get(key)
         if kernel is None:
             kernel = self.fn[grid](*args, **_triton_options(num_warps, num_stages, launch_pdl))
+            if isinstance(kernel, _FutureKernel):   # launched inside compile_ahead: compiled by now
+                kernel = kernel.result()
             if kernel is None or not hasattr(kernel, "function"):
                 return None
             self.compiled[key] = kernel
