@@ -133,3 +133,22 @@ def test_a_repeated_launch_is_queued_once_and_constexprs_count_by_value(fake_mod
     with ahead.compile_ahead(1), ahead.queuing_launches():           # a new block starts empty
         ahead.launch(fn, (1,), x, 32, 64, BLOCK=4)
     assert len(fn.warmups) == 7
+
+
+def test_compiles_submitted_while_queuing_start_when_queuing_ends(fake_mode):
+    """The pool holds compiles submitted inside queuing_launches (the forwards there run without
+    the compile threads' Python competing for the GIL) and starts them when it ends; after that
+    a submit starts at once; results and errors reach the futures."""
+    import time
+    started = []
+    with ahead.compile_ahead(2):
+        with ahead.queuing_launches():
+            held = ahead._pool.submit(lambda: started.append("held") or 5)
+            failing = ahead._pool.submit(lambda: 1 / 0)
+            time.sleep(0.05)
+            assert started == [] and not held.done()
+        assert held.result(timeout=10) == 5 and started == ["held"]
+        with pytest.raises(ZeroDivisionError):
+            failing.result(timeout=10)
+        assert ahead._pool.submit(lambda: 7).result(timeout=10) == 7
+    assert ahead._pool is None

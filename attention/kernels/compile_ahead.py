@@ -10,7 +10,8 @@ How: inside `compile_ahead(threads)` Triton compiles asynchronously on a thread 
 AsyncCompileMode): a launch of a kernel not yet compiled queues its compile and then waits for it
 (itself only). Inside `queuing_launches()` (within compile_ahead) a launch made through `launch()`
 or `FastLaunch` does not run at all: it only queues its compile (`JITFunction.warmup`) and
-returns None, so a forward run there queues every variant it would launch and computes garbage.
+returns None, so a forward run there queues every variant it would launch and computes garbage;
+the queued compiles start when that block ends (`_HeldPool`).
 The work after it in the compile_ahead block then finds its kernels compiled, or compiling.
 Leaving compile_ahead waits for every queued compile (a compile error is raised there). Without
 Triton's async compile mode (older Triton) compile_ahead does nothing and says so.
@@ -20,7 +21,8 @@ from __future__ import annotations
 
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
+import functools
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -89,11 +91,50 @@ def _async_compile_mode() -> Any:
     return AsyncCompileMode
 
 
+class _HeldPool(Executor):
+    """A thread pool that holds what is submitted while `holding` and starts it all on `release`.
+    Why: while launches are being queued (Python on the main thread, ~100 forwards) the compile
+    threads' own Python work (Triton's code generation holds the GIL) would slow the forwards
+    ~3x (measured: 5.05 s instead of ~1.7 s on an H100 host); they start right after instead."""
+
+    def __init__(self, threads: int) -> None:
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="triton-compile")
+        self.holding, self.held = True, []
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        if not self.holding:
+            return self.pool.submit(fn, *args, **kwargs)
+        future: Future = Future()
+        self.held.append((future, functools.partial(fn, *args, **kwargs)))
+        return future
+
+    def release(self) -> None:
+        self.holding, held, self.held = False, self.held, []
+        for future, call in held:
+            self.pool.submit(_run_into, future, call)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self.release()
+        self.pool.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+
+def _run_into(future: Future, call) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(call())
+    except BaseException as error:   # the waiting launch (or leaving compile_ahead) raises it
+        future.set_exception(error)
+
+
+_pool: _HeldPool | None = None
+
+
 @contextmanager
 def compile_ahead(threads: int) -> Iterator[bool]:
     """Triton compiles on `threads` threads inside the block (see the module docstring); yields
     whether they do (False: no threads asked for, or a Triton without async compilation)."""
-    global _asynchronous
+    global _asynchronous, _pool
     mode = _async_compile_mode()
     if threads < 1 or mode is None:
         if threads >= 1:
@@ -102,12 +143,13 @@ def compile_ahead(threads: int) -> Iterator[bool]:
         return
     if _asynchronous:
         raise RuntimeError("compile_ahead is already active; it cannot nest")
-    with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool, mode(pool):
-        _asynchronous = True
+    with _HeldPool(threads) as pool, mode(pool):
+        pool.release()
+        _asynchronous, _pool = True, pool
         try:
             yield True
         finally:
-            _asynchronous = False
+            _asynchronous, _pool = False, None
 
 
 @contextmanager
@@ -117,9 +159,10 @@ def queuing_launches() -> Iterator[None]:
     global _active
     if not _asynchronous:
         raise RuntimeError("queuing_launches() needs an active compile_ahead() around it")
-    _active = True
+    _active, _pool.holding = True, True
     try:
         yield
     finally:
         _active = False
         _queued.clear()
+        _pool.release()   # the compiles start now, on the threads
