@@ -23,9 +23,11 @@ reserved against the gpu_memory_utilization budget: the no-OOM check at high uti
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
 import os
+import pstats
 import random
 import sys
 import tempfile
@@ -66,6 +68,8 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--cold", action="store_true", help="empty Triton cache (first mode compiles everything)")
     parser.add_argument("--serve", type=int, default=0, help="requests to serve after start-up (0: none)")
+    parser.add_argument("--profile", type=int, default=0,
+                        help="print the N functions of the first start-up with the most cumulative time (cProfile)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.cold:
@@ -76,8 +80,14 @@ def main() -> None:
         path = write_config(args.shape, folder)
         for index, mode in enumerate(args.modes):
             started = time.perf_counter()
+            profiler = cProfile.Profile() if args.profile and index == 0 else None
+            if profiler is not None:
+                profiler.enable()
             llm = LLM(model=str(path), load_format="dummy", dtype="bfloat16", cudagraph_mode=mode,
                       gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=2048)
+            if profiler is not None:
+                profiler.disable()
+                pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.profile)
             runner = llm.engine.model_runner
             summary = runner.capture_summary
             estimate = runner.graph_reserve_bytes

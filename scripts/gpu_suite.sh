@@ -88,6 +88,17 @@ if [[ $STAGE == s6 ]]; then  # session 6: cold capture with kernels compiled ahe
   done
   step profile-pw 60 python3 scripts/profile_step.py --mode PIECEWISE --batch-size 1 --host-profile
 fi
+if [[ $STAGE == s6c ]]; then  # session 6: the compile-ahead cuda test; a cold start-up's profile; final SmolLM2 figures
+  step compile-ahead-test 120 python3 -m pytest -q -p no:cacheprovider -m cuda -rA -s tests/test_compile_ahead_cuda.py
+  step start-up-profile 120 python3 scripts/bench_capture.py --cold --modes FULL_AND_PIECEWISE --profile 60
+  step capture-serial 120 env GRAPHRUNNER_COMPILE_THREADS=0 python3 scripts/bench_capture.py --cold \
+    --modes FULL_AND_PIECEWISE FULL_AND_PIECEWISE --json "$OUT/capture_serial.json"
+  step capture-ahead 120 python3 scripts/bench_capture.py --cold --modes FULL_AND_PIECEWISE FULL_AND_PIECEWISE \
+    --json "$OUT/capture_ahead.json"
+  step break-replay 120 python3 scripts/bench_break_replay.py --blocks 5 --steps 40
+  step decode 120 python3 scripts/bench_decode.py --shapes smollm2-135m --modes FULL PIECEWISE \
+    --batch-sizes 1 8 32 128 --warmup 3 --steps 20 --no-hf --no-plot --json "$OUT/decode.json"
+fi
 if [[ $STAGE == s6b ]]; then  # session 6: thread-parallel Triton compiles; cold capture; PIECEWISE replay variants
   step compile-threads 90 python3 scripts/bench_compile_threads.py --variants 8 --threads 8
   step capture-serial 120 env GRAPHRUNNER_COMPILE_THREADS=0 python3 scripts/bench_capture.py --cold \
