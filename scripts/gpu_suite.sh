@@ -99,6 +99,17 @@ if [[ $STAGE == s6c ]]; then  # session 6: the compile-ahead cuda test; a cold s
   step decode 120 python3 scripts/bench_decode.py --shapes smollm2-135m --modes FULL PIECEWISE \
     --batch-sizes 1 8 32 128 --warmup 3 --steps 20 --no-hf --no-plot --json "$OUT/decode.json"
 fi
+if [[ $STAGE == s6d ]]; then  # session 6: PIECEWISE at bs 1-128 against OLD_TREE in one run; replay variants at bs32
+  small=(--shapes smollm2-135m --modes FULL PIECEWISE --batch-sizes 1 8 32 128 --warmup 3 --steps 20 --no-hf --no-plot)
+  for round in 1 2; do
+    step decode$round 90 python3 scripts/bench_decode.py "${small[@]}" --json "$OUT/decode$round.json"
+    if [[ -n ${OLD_TREE:-} ]]; then
+      step decode-old$round 90 env PYTHONPATH="$OLD_TREE:$PYTHONPATH" python3 "$OLD_TREE/scripts/bench_decode.py" \
+        "${small[@]}" --json "$OUT/decode_old$round.json"
+    fi
+  done
+  step break-replay-bs32 120 python3 scripts/bench_break_replay.py --batch-size 32 --blocks 5 --steps 40
+fi
 if [[ $STAGE == s6b ]]; then  # session 6: thread-parallel Triton compiles; cold capture; PIECEWISE replay variants
   step compile-threads 90 python3 scripts/bench_compile_threads.py --variants 8 --threads 8
   step capture-serial 120 env GRAPHRUNNER_COMPILE_THREADS=0 python3 scripts/bench_capture.py --cold \
