@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything a GPU session checks, in one call on the device machine:
-#   bash scripts/gpu_suite.sh [tests|bench|pp|goals|compare|all]      (default: all = tests + bench)
+#   bash scripts/gpu_suite.sh [tests|bench|pp|goals|compare|s6|s6b|s6c|s6d|all]      (default: all = tests + bench)
 # tests:   the `cuda`-marked tests plus the Triton kernel tests compiled for the GPU;
 # bench:   attention bandwidth, decode latency per graph mode vs HF and the memory floor, offline
 #          throughput, address-check cost;
@@ -9,6 +9,8 @@
 #          serving at gpu_memory_utilization 0.95, throughput;
 # compare: FULL decode of SmolLM2 / Llama-3.2-1B with PDL off, on, and (OLD_TREE=dir, a checkout of an
 #          earlier commit) that code, in one run; FULL profiles.
+# s6, s6b, s6c, s6d: session 6's runs (compile ahead vs at first launch on an empty Triton cache,
+#          PIECEWISE replay variants, decode against OLD_TREE); docs/PERFORMANCE.md §S6.
 # The stages of earlier sessions (probe, s3*, s4*, s5*, ...) live in the commits docs/PERFORMANCE.md
 # names for each run.
 # Logs go to $OUT/suite.log, figures to $OUT/*.json and $OUT/*.png; a short table comes last.
