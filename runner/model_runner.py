@@ -225,9 +225,9 @@ class ModelRunner:
             if asynchronous:
                 with queuing_launches():
                     self._run_start_up_batches(self.model_forward)
-            self.precompile_seconds = time.perf_counter() - started
-            logger.info("queued the compiles of the start-up's kernels (%d graph shapes) on %d threads in %.2f s",
-                        len(self.dispatcher.all_keys_to_capture()), threads, self.precompile_seconds)
+                self.precompile_seconds = time.perf_counter() - started
+                logger.info("queued the compiles of the start-up's kernels (%d graph shapes) on %d threads in "
+                            "%.2f s", len(self.dispatcher.all_keys_to_capture()), threads, self.precompile_seconds)
             yield
             waiting = time.perf_counter()
         self.compile_wait_seconds = time.perf_counter() - waiting

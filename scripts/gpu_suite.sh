@@ -40,6 +40,15 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, append its log, rem
   rm -f "$OUT/$name.tmp"
   SUMMARY+=("$(printf '| %-12s | rc=%-3s | %4ss |' "$name" "$rc" "$((SECONDS - start))")")
 }
+decode_against_old_tree() {  # decode_against_old_tree ARGS...: bench_decode twice, each time also OLD_TREE's
+  for round in 1 2; do
+    step decode$round 90 python3 scripts/bench_decode.py "$@" --json "$OUT/decode$round.json"
+    if [[ -n ${OLD_TREE:-} ]]; then
+      step decode-old$round 90 env PYTHONPATH="$OLD_TREE:$PYTHONPATH" python3 "$OLD_TREE/scripts/bench_decode.py" \
+        "$@" --json "$OUT/decode_old$round.json"
+    fi
+  done
+}
 
 if [[ $STAGE == tests || $STAGE == all ]]; then
   step cuda-tests 300 python3 -m pytest -q -p no:cacheprovider -m cuda -rA -s tests \
@@ -81,13 +90,7 @@ if [[ $STAGE == s6 ]]; then  # session 6: cold capture with kernels compiled ahe
   step capture-serial 150 env GRAPHRUNNER_COMPILE_THREADS=0 python3 "${capture[@]}" --json "$OUT/capture_serial.json"
   step capture-ahead2 150 python3 "${capture[@]}" --json "$OUT/capture_ahead2.json"
   small=(--shapes smollm2-135m --modes FULL PIECEWISE --batch-sizes 1 32 --warmup 3 --steps 20 --no-hf --no-plot)
-  for round in 1 2; do
-    step decode$round 90 python3 scripts/bench_decode.py "${small[@]}" --json "$OUT/decode$round.json"
-    if [[ -n ${OLD_TREE:-} ]]; then
-      step decode-old$round 90 env PYTHONPATH="$OLD_TREE:$PYTHONPATH" python3 "$OLD_TREE/scripts/bench_decode.py" \
-        "${small[@]}" --json "$OUT/decode_old$round.json"
-    fi
-  done
+  decode_against_old_tree "${small[@]}"
   step profile-pw 60 python3 scripts/profile_step.py --mode PIECEWISE --batch-size 1 --host-profile
 fi
 if [[ $STAGE == s6c ]]; then  # session 6: the compile-ahead cuda test; a cold start-up's profile; final SmolLM2 figures
@@ -103,13 +106,7 @@ if [[ $STAGE == s6c ]]; then  # session 6: the compile-ahead cuda test; a cold s
 fi
 if [[ $STAGE == s6d ]]; then  # session 6: PIECEWISE at bs 1-128 against OLD_TREE in one run; replay variants at bs32
   small=(--shapes smollm2-135m --modes FULL PIECEWISE --batch-sizes 1 8 32 128 --warmup 3 --steps 20 --no-hf --no-plot)
-  for round in 1 2; do
-    step decode$round 90 python3 scripts/bench_decode.py "${small[@]}" --json "$OUT/decode$round.json"
-    if [[ -n ${OLD_TREE:-} ]]; then
-      step decode-old$round 90 env PYTHONPATH="$OLD_TREE:$PYTHONPATH" python3 "$OLD_TREE/scripts/bench_decode.py" \
-        "${small[@]}" --json "$OUT/decode_old$round.json"
-    fi
-  done
+  decode_against_old_tree "${small[@]}"
   step break-replay-bs32 120 python3 scripts/bench_break_replay.py --batch-size 32 --blocks 5 --steps 40
 fi
 if [[ $STAGE == s6b ]]; then  # session 6: thread-parallel Triton compiles; cold capture; PIECEWISE replay variants

@@ -118,8 +118,8 @@ def test_a_repeated_launch_is_queued_once_and_constexprs_count_by_value(fake_mod
     import torch
     from types import SimpleNamespace
     fn = FakeJIT()
-    fn.params = [SimpleNamespace(is_constexpr=False), SimpleNamespace(is_constexpr=False),
-                 SimpleNamespace(is_constexpr=True)]
+    fn.params = [SimpleNamespace(is_constexpr=c, do_not_specialize=False) for c in (False, False, True)]
+    fn.device_caches = {}      # like a compiled JITFunction: its params decide the key
     x = torch.zeros(8)
     with ahead.compile_ahead(1), ahead.queuing_launches():
         ahead.launch(fn, (1,), x, 32, 64, BLOCK=4)

@@ -26,6 +26,8 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+from attention.kernels.specialisation import SPECIALISED, param_kinds, specialisation
+
 logger = logging.getLogger(__name__)
 
 _asynchronous = False
@@ -54,24 +56,11 @@ def launch(fn: Any, grid: tuple, *args: Any, **options: Any) -> Any:
 
 
 def launch_key(fn: Any, args: tuple, options: dict) -> tuple:
-    """At least everything Triton specialises a compiled kernel on, for these arguments:
-    constexprs (positional ones by `fn.params`, keyword arguments, compile options) by value,
-    tensors by dtype and 16-byte alignment, other ints by (== 1, % 16 == 0, fits in 32 bits),
-    other scalars by type. Equal keys: the same variant; it may tell apart calls Triton would
-    not (an int Triton does not specialise on), which costs one more warm-up call, never a missed
-    compile."""
-    params = getattr(fn, "params", None) or ()
-    parts = []
-    for index, arg in enumerate(args):
-        if index < len(params) and params[index].is_constexpr:
-            parts.append(arg)
-        elif type(arg) is int:
-            parts.append((arg == 1, arg % 16 == 0, -(2 ** 31) <= arg < 2 ** 31))
-        elif hasattr(arg, "data_ptr"):
-            parts.append((arg.dtype, arg.data_ptr() % 16 == 0))
-        else:
-            parts.append(type(arg))
-    return (fn, tuple(parts), tuple(sorted(options.items())))
+    """The variant a launch compiles: `fn`, its arguments' specialisation (specialisation.py;
+    every parameter counted as specialised when `fn` does not list them) and its keyword
+    arguments (constexprs, compile options) by value."""
+    kinds = param_kinds(fn) or (SPECIALISED,) * len(args)
+    return (fn, tuple(specialisation(args, kinds)), tuple(sorted(options.items())))
 
 
 def compile_threads() -> int:
@@ -99,7 +88,7 @@ class _HeldPool(Executor):
 
     def __init__(self, threads: int) -> None:
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="triton-compile")
-        self.holding, self.held = True, []
+        self.holding, self.held = False, []
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
         if not self.holding:
@@ -144,7 +133,6 @@ def compile_ahead(threads: int) -> Iterator[bool]:
     if _asynchronous:
         raise RuntimeError("compile_ahead is already active; it cannot nest")
     with _HeldPool(threads) as pool, mode(pool):
-        pool.release()
         _asynchronous, _pool = True, pool
         try:
             yield True

@@ -30,35 +30,22 @@ import os
 from typing import Any, Callable
 
 from attention.kernels import compile_ahead as _ahead
+from attention.kernels.specialisation import CONSTEXPR, I32_MAX, I32_MIN, SPECIALISED, param_kinds, specialisation
 
 ENABLED = os.environ.get("GRAPHRUNNER_FAST_LAUNCH", "1") != "0"
 """Read once at import (reading the environment costs ~1.5 us, per launch that adds up); tests
 and benchmarks that switch it at run time set this attribute."""
-
-_CONSTEXPR, _SPECIALISED, _PLAIN = 0, 1, 2
-_I32_MIN, _I32_MAX = -(2 ** 31), 2 ** 31 - 1
-
-
-def _param_kinds(fn: Any) -> tuple[int, ...] | None:
-    """How each parameter enters the specialisation key, or None when `fn` is not a compiled
-    JITFunction (Triton's interpreter, a missing `params` list): then every call goes the
-    ordinary way."""
-    params = getattr(fn, "params", None)
-    if params is None or not hasattr(fn, "device_caches"):
-        return None
-    return tuple(_CONSTEXPR if p.is_constexpr else _PLAIN if p.do_not_specialize else _SPECIALISED
-                 for p in params)
 
 
 def _key_function(args: tuple, kinds: tuple[int, ...]) -> Callable:
     """Generated `(options, *args) -> key` equal to `FastLaunch.key` for arguments of these types."""
     parts = []
     for i, (arg, kind) in enumerate(zip(args, kinds)):
-        if kind == _CONSTEXPR:
+        if kind == CONSTEXPR:
             parts.append(f"a{i}")
         elif type(arg) is int:
-            fits = f"{_I32_MIN} <= a{i} <= {_I32_MAX}"
-            parts.append(f"(a{i} == 1, a{i} % 16 == 0, {fits})" if kind == _SPECIALISED else f"({fits})")
+            fits = f"{I32_MIN} <= a{i} <= {I32_MAX}"
+            parts.append(f"(a{i} == 1, a{i} % 16 == 0, {fits})" if kind == SPECIALISED else f"({fits})")
         elif type(arg) is float or type(arg) is bool or arg is None:
             parts.append("None")
         else:
@@ -108,7 +95,7 @@ class FastLaunch:
 
     def __init__(self, fn: Any, stream_of: Callable[[int], int] = _current_stream) -> None:
         self.fn = fn
-        self.kinds = _param_kinds(fn)
+        self.kinds = param_kinds(fn)
         self.stream_of = stream_of
         self.compiled: dict[tuple, Any] = {}
         self._launch_tails: dict[int, tuple[Any, tuple | None]] = {}
@@ -126,18 +113,7 @@ class FastLaunch:
 
     def key(self, args: tuple, options: tuple) -> tuple:
         """Everything Triton specialises a compiled kernel on, for these arguments."""
-        key = list(options)
-        for arg, kind in zip(args, self.kinds):
-            if kind == _CONSTEXPR:
-                key.append(arg)
-            elif type(arg) is int:
-                fits = _I32_MIN <= arg <= _I32_MAX
-                key.append((arg == 1, arg % 16 == 0, fits) if kind == _SPECIALISED else fits)
-            elif type(arg) is float or type(arg) is bool or arg is None:
-                key.append(None)  # fp32 / u1 scalars: never specialised
-            else:  # a tensor
-                key.append((arg.dtype, arg.data_ptr() % 16 == 0))
-        return tuple(key)
+        return (*options, *specialisation(args, self.kinds))
 
     def _fast_key(self, args: tuple, options: tuple) -> tuple:
         """`key`, from a function generated for the argument types of the first call (one

@@ -470,12 +470,7 @@ class StepAttention:
         """`__call__` with `layer_key(query, kv_cache, out, scale)` already known (a PIECEWISE
         break computes it once at capture: its tensors never change)."""
         if self._kernel is not None and key == self._key:
-            if self._direct is not None:
-                self._direct(query, kv_cache, out, *self._rest)
-            else:
-                _attention_launch.relaunch(self._kernel, self._grid, (query, kv_cache, out) + self._rest,
-                                           self._device_index, self._stream)
-            self.relaunches += 1
+            self._relaunch(query, kv_cache, out)
             return
         launch = _plan(query, kv_cache, out, *self.metadata, scale, None, self.max_seq_len)
         if launch is None:
@@ -493,10 +488,18 @@ class StepAttention:
                        kv_cache: torch.Tensor, out: torch.Tensor, scale: float) -> None:
         """`call_keyed` for tensors that never move (a PIECEWISE break's recorded q, KV cache and
         out), with their `addresses` (data_ptr) computed once: once the step's launch is bound, a
-        call is Triton's C launch on ints alone (`FastLaunch.direct_launch`). Equal keys are one
+        call is Triton's C launch on ints alone (`FastLaunch.direct_launch` where offered). Equal keys are one
         object when they come from `interned_layer_key`: then `is` decides."""
-        if self._direct is not None and (key is self._key or key == self._key):
-            self._direct(*addresses, *self._rest)
-            self.relaunches += 1
+        if self._kernel is not None and (key is self._key or key == self._key):
+            self._relaunch(*addresses)
             return
         self.call_keyed(key, query, kv_cache, out, scale)
+
+    def _relaunch(self, query, kv_cache, out) -> None:
+        """The bound launch with this layer's q, KV cache and out (tensors or their addresses)."""
+        if self._direct is not None:
+            self._direct(query, kv_cache, out, *self._rest)
+        else:
+            _attention_launch.relaunch(self._kernel, self._grid, (query, kv_cache, out) + self._rest,
+                                       self._device_index, self._stream)
+        self.relaunches += 1
