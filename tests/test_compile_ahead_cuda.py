@@ -2,7 +2,8 @@
 ahead (by `kernels_compiled_ahead`'s forwards), none at its first launch.
 
 Runs the start-up in a fresh process with its own empty TRITON_CACHE_DIR (in this process the
-kernels are long compiled). Every compile inside compile_ahead is submitted through Triton's
+kernels are long compiled), with a fixed KV block count: a budget from gpu_memory_utilization
+would count the memory this test process still holds. Every compile inside compile_ahead is submitted through Triton's
 AsyncCompileMode.submit, which is wrapped to record, per submit, whether launches were being
 queued then and whether the variant is new (a launch of a kernel still compiling submits again
 and gets the pending compile: "again"); Triton's cache hook, called just before, names it."""
@@ -43,7 +44,7 @@ def recording_submit(self, key, *args, **kwargs):
 AsyncCompileMode.submit = recording_submit
 
 llm = LLM(model=str(write_config("smollm2-135m", {tmp!r})), load_format="dummy", dtype="bfloat16",
-          cudagraph_mode="FULL_AND_PIECEWISE", gpu_memory_utilization=0.3, max_model_len=2048)
+          cudagraph_mode="FULL_AND_PIECEWISE", num_kv_blocks=4096, max_model_len=2048)
 runner = llm.engine.model_runner
 print("COUNTS " + json.dumps({{"asked": asked, "queue_s": round(runner.precompile_seconds, 2),
                               "wait_s": round(runner.compile_wait_seconds, 2),
