@@ -2,11 +2,13 @@
 
     python scripts/bench_break_replay.py [--shape smollm2-135m] [--batch-size 1] [--blocks 6] [--steps 40]
 
-Three variants alternate in blocks of `--steps` engine steps (the device host's speed drifts, so a
+Four variants alternate in blocks of `--steps` engine steps (the device host's speed drifts, so a
 before/after across runs measures the host, not the change); the median step time of each is
 printed with the per-block figures:
-- "fast": as the engine runs (break replays prepared at capture, attention through Triton's C
-  launch directly, segments through torch's C++ replay);
+- "native": as the engine runs: the layers after the first replayed by the layer loop in C
+  (runner/cudagraph/native_loop.py: cuGraphLaunch + cuLaunchKernelEx per layer);
+- "fast": the layer loop in Python (break replays prepared at capture, attention through Triton's C
+  launch directly, segments through torch's C++ replay), what session 6 left;
 - "python-launch": prepared break replays, but attention through Triton's Python launcher and
   segments through `CUDAGraph.replay` (what session 6 changed);
 - "generic": every captured BreakableGraph's calls rebuilt as `op(*args, **kwargs)`, which is what
@@ -29,23 +31,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_shapes import SHAPES, write_config  # noqa: E402
 
 
-VARIANTS = ("fast", "python-launch", "generic")
+VARIANTS = ("native", "fast", "python-launch", "generic")
 
 
 def _set_variant(runner, variant: str) -> None:
     """Rebuild every captured BreakableGraph's per-segment replays and break calls for `variant`."""
     from attention.kernels import unified_attention
-    from runner.cudagraph.breakable import _replay_of
+    from runner.cudagraph.breakable import _replay_of, layer_loop
     launcher = unified_attention._attention_launch
     vars(launcher).pop("direct_launch", None)          # FastLaunch.direct_launch again
-    if variant != "fast":
+    if variant not in ("native", "fast"):
         launcher.direct_launch = lambda kernel, grid, stream: None
     for entry in runner.piecewise._entries.values():
         graph = entry.graph
         prepared = variant != "generic"
         graph._calls = [(r.replay if prepared and r.replay else functools.partial(r.op, *r.args, **r.kwargs))
                         for r in graph.breaks]
-        graph._replays = [_replay_of(s) if variant == "fast" else s.replay for s in graph.segments]
+        graph._replays = [_replay_of(s) if variant in ("native", "fast") else s.replay for s in graph.segments]
+        graph.loop = layer_loop(graph.segments, graph.breaks) if variant == "native" else None
 
 
 def main() -> None:
@@ -83,6 +86,7 @@ def main() -> None:
                 engine.step()
             torch.cuda.synchronize()
             times[variant].append((time.perf_counter() - started) / args.steps * 1e3)
+        print(f"PIECEWISE replays through the C layer loop: {runner.piecewise.layer_loop_runs}")
         llm.shutdown()
     medians = {variant: statistics.median(t) for variant, t in times.items()}
     for variant in VARIANTS:

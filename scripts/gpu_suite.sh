@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything a GPU session checks, in one call on the device machine:
-#   bash scripts/gpu_suite.sh [tests|bench|pp|goals|compare|s6|s6b|s6c|s6d|all]      (default: all = tests + bench)
+#   bash scripts/gpu_suite.sh [tests|bench|pp|goals|compare|s7|all]      (default: all = tests + bench)
 # tests:   the `cuda`-marked tests plus the Triton kernel tests compiled for the GPU;
 # bench:   attention bandwidth, decode latency per graph mode vs HF and the memory floor, offline
 #          throughput, address-check cost;
@@ -9,9 +9,8 @@
 #          serving at gpu_memory_utilization 0.95, throughput;
 # compare: FULL decode of SmolLM2 / Llama-3.2-1B with PDL off, on, and (OLD_TREE=dir, a checkout of an
 #          earlier commit) that code, in one run; FULL profiles.
-# s6, s6b, s6c, s6d: session 6's runs (compile ahead vs at first launch on an empty Triton cache,
-#          PIECEWISE replay variants, decode against OLD_TREE); docs/PERFORMANCE.md §S6.
-# The stages of earlier sessions (probe, s3*, s4*, s5*, ...) live in the commits docs/PERFORMANCE.md
+# s7:      session 7's run (the PIECEWISE layer loop in C); docs/PERFORMANCE.md §S7.
+# The stages of earlier sessions (probe, s3*, s4*, s5*, s6*, ...) live in the commits docs/PERFORMANCE.md
 # names for each run.
 # Logs go to $OUT/suite.log, figures to $OUT/*.json and $OUT/*.png; a short table comes last.
 set -uo pipefail
@@ -83,41 +82,14 @@ if [[ $STAGE == compare ]]; then  # session 5's s5check without its tests: a cha
   step profile-full 60 python3 scripts/profile_step.py --mode FULL --batch-size 1 --host-profile
   step profile-1b 60 python3 scripts/profile_step.py --shape llama-3.2-1b --mode FULL --batch-size 1
 fi
-if [[ $STAGE == s6 ]]; then  # session 6: cold capture with kernels compiled ahead vs at first launch; PIECEWISE
-  # bs1 with break replays on addresses vs OLD_TREE (the commit before); its host profile (tests: stage `tests`)
-  capture=(scripts/bench_capture.py --cold --modes FULL_AND_PIECEWISE FULL_AND_PIECEWISE)
-  step capture-ahead 150 python3 "${capture[@]}" --json "$OUT/capture_ahead.json"
-  step capture-serial 150 env GRAPHRUNNER_COMPILE_THREADS=0 python3 "${capture[@]}" --json "$OUT/capture_serial.json"
-  step capture-ahead2 150 python3 "${capture[@]}" --json "$OUT/capture_ahead2.json"
-  small=(--shapes smollm2-135m --modes FULL PIECEWISE --batch-sizes 1 32 --warmup 3 --steps 20 --no-hf --no-plot)
-  decode_against_old_tree "${small[@]}"
-  step profile-pw 60 python3 scripts/profile_step.py --mode PIECEWISE --batch-size 1 --host-profile
-fi
-if [[ $STAGE == s6c ]]; then  # session 6: the compile-ahead cuda test; a cold start-up's profile; final SmolLM2 figures
-  step compile-ahead-test 120 python3 -m pytest -q -p no:cacheprovider -m cuda -rA -s tests/test_compile_ahead_cuda.py
-  step start-up-profile 120 python3 scripts/bench_capture.py --cold --modes FULL_AND_PIECEWISE --profile 60
-  step capture-serial 120 env GRAPHRUNNER_COMPILE_THREADS=0 python3 scripts/bench_capture.py --cold \
-    --modes FULL_AND_PIECEWISE FULL_AND_PIECEWISE --json "$OUT/capture_serial.json"
-  step capture-ahead 120 python3 scripts/bench_capture.py --cold --modes FULL_AND_PIECEWISE FULL_AND_PIECEWISE \
-    --json "$OUT/capture_ahead.json"
+if [[ $STAGE == s7 ]]; then  # session 7: the PIECEWISE layer loop in C: its GPU tests, the replay variants in one
+  # process at bs 1 and 32, PIECEWISE vs FULL at bs 1-128 (twice; with OLD_TREE's code when given)
+  step loop-tests 240 python3 -m pytest -q -p no:cacheprovider -m cuda -rA tests/test_triton_gpu.py \
+    tests/test_engine_cuda.py -k "layer_loop or step_attention or graph_modes"
   step break-replay 120 python3 scripts/bench_break_replay.py --blocks 5 --steps 40
-  step decode 120 python3 scripts/bench_decode.py --shapes smollm2-135m --modes FULL PIECEWISE \
-    --batch-sizes 1 8 32 128 --warmup 3 --steps 20 --no-hf --no-plot --json "$OUT/decode.json"
-fi
-if [[ $STAGE == s6d ]]; then  # session 6: PIECEWISE at bs 1-128 against OLD_TREE in one run; replay variants at bs32
+  step break-replay-bs32 120 python3 scripts/bench_break_replay.py --batch-size 32 --blocks 5 --steps 40
   small=(--shapes smollm2-135m --modes FULL PIECEWISE --batch-sizes 1 8 32 128 --warmup 3 --steps 20 --no-hf --no-plot)
   decode_against_old_tree "${small[@]}"
-  step break-replay-bs32 120 python3 scripts/bench_break_replay.py --batch-size 32 --blocks 5 --steps 40
-fi
-if [[ $STAGE == s6b ]]; then  # session 6: thread-parallel Triton compiles; cold capture; PIECEWISE replay variants
-  step compile-threads 90 python3 scripts/bench_compile_threads.py --variants 8 --threads 8
-  step capture-serial 120 env GRAPHRUNNER_COMPILE_THREADS=0 python3 scripts/bench_capture.py --cold \
-    --modes FULL_AND_PIECEWISE FULL_AND_PIECEWISE --json "$OUT/capture_serial.json"
-  step capture-ahead 120 python3 scripts/bench_capture.py --cold --modes FULL_AND_PIECEWISE FULL_AND_PIECEWISE \
-    --json "$OUT/capture_ahead.json"
-  step break-replay 120 python3 scripts/bench_break_replay.py --blocks 5 --steps 40
-  step decode 90 python3 scripts/bench_decode.py --shapes smollm2-135m --modes FULL PIECEWISE --batch-sizes 1 32 \
-    --warmup 3 --steps 20 --no-hf --no-plot --json "$OUT/decode.json"
 fi
 echo
 echo "| step         | result | time  |"

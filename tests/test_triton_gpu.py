@@ -262,6 +262,51 @@ def test_gpu_argmax_equals_torch(rows, vocab):
 
 
 @pytest.mark.parametrize("context", [40, 3000], ids=["one-split", "splits"])
+def test_layer_loop_in_c_equals_unified_attention_per_layer(context):
+    """The PIECEWISE layer loop in C (runner/cudagraph/native_loop.py) on four layers: segment 0 and
+    layer 0's attention from Python (binding the step's launch), then one C call for segments 1-4 and
+    layers 1-3, each layer's attention through the launch's driver form with its q, KV cache and
+    out patched in. Segment i copies layer i-1's output, so a launch out of order or with a wrong
+    parameter shows as a mismatch against a full `unified_attention` call per layer."""
+    from attention.kernels.unified_attention import StepAttention, interned_layer_key
+    from runner.cudagraph import native_loop
+
+    b = Batch(num_tokens=4, num_reqs=4, max_blocks=256, num_blocks=1024, block_size=16)
+    b.fill([1, 1, 1], [context, context // 2, 7], seed=5)
+    caches = [torch.randn_like(b.kv_cache, dtype=torch.float32).to(b.kv_cache.dtype) for _ in range(4)]
+    outs = [torch.full_like(b.query, float("nan")) for _ in caches]
+    copies = [torch.full_like(b.query, float("nan")) for _ in caches]
+    marker = torch.zeros(1, device="cuda")
+    segments = []
+    for i in range(len(caches) + 1):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            if i == 0:
+                marker.add_(1)
+            else:
+                copies[i - 1].copy_(outs[i - 1])
+        segments.append(graph)
+    addresses = [(b.query.data_ptr(), cache.data_ptr(), out.data_ptr()) for cache, out in zip(caches, outs)]
+    loop = native_loop.layer_loop(segments, addresses[1:])
+    assert loop is not None, "the C loop did not build or load here"
+    max_seq_len = int(b.seq_lens.max())
+    step = StepAttention(b.query_start_loc, b.seq_lens, b.block_table, max_seq_len)
+    key = interned_layer_key(b.query, caches[0], outs[0], b.scale)
+    segments[0].replay()
+    step.call_addressed(key, addresses[0], b.query, caches[0], outs[0], b.scale)
+    bound = step.native_launch(key)
+    assert bound is not None, "the attention launch has no driver form"
+    loop.run(*bound)
+    torch.cuda.synchronize()
+    assert loop.runs == 1 and marker.item() == 1
+    for cache, out, copy in zip(caches, outs, copies):
+        ref = torch.full_like(b.query, float("nan"))
+        unified_attention(b.query, cache, ref, b.query_start_loc, b.seq_lens, b.block_table, b.scale,
+                          max_seq_len=max_seq_len)
+        assert torch.equal(out, ref) and torch.equal(copy, ref)
+
+
+@pytest.mark.parametrize("context", [40, 3000], ids=["one-split", "splits"])
 def test_step_attention_equals_unified_attention_per_layer(context):
     """Four layers of one eager step (different KV caches, the same metadata): the bound relaunches
     (tensors, or addresses as a PIECEWISE break passes them) compute bit for bit what a full

@@ -10,7 +10,7 @@ shapes too.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -56,26 +56,40 @@ class TritonPagedBackend(AttentionBackend):
         self._step_attention(metadata)(query, kv_cache, out, layer.scale)
 
     def prepare_replay(self, layer: Any, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
-                       out: torch.Tensor, kv_cache: torch.Tensor):
+                       out: torch.Tensor, kv_cache: torch.Tensor) -> "_BreakReplay | None":
         """A PIECEWISE break's replay (`attention.layer._prepare_attention_replay`): the recorded q
         and out never change, so their `layer_key` and the three addresses are computed here,
         once; each replay then only looks up the step's StepAttention. Generic (None) when the
         layer leaves the KV write to the backend (key given)."""
         if key is not None:
             return None
-        index, scale = layer.cache_index, layer.scale
-        recorded_key = interned_layer_key(query, kv_cache, out, scale)
-        addresses = (query.data_ptr(), kv_cache.data_ptr(), out.data_ptr())
+        return _BreakReplay(self, layer, query, out, kv_cache)
 
-        def replay() -> None:
+    def loop_binder(self, replays: list["_BreakReplay"]) -> Callable[[], tuple | None] | None:
+        """For the PIECEWISE layer loop in C (runner/cudagraph/breakable.py): given one graph's break
+        replays (all this backend's), a per-step `bind()` that returns the step's bound attention
+        launch in driver form and its stream when every break after the first may take it (the
+        first break, replayed from Python, has bound it), else None (the step replays from Python).
+        None when the breaks' layer keys differ (then no step could take the loop)."""
+        key = replays[0].key
+        if any(r.key is not key for r in replays):
+            return None
+        caches = [(r.index, r.kv_cache) for r in replays]
+
+        def bind() -> tuple | None:
             context = get_forward_context()
-            metadata, cache = context.attn_metadata, context.kv_caches[index]
-            if cache is not kv_cache or context.runtime_mode == CUDAGraphMode.FULL:   # not what was captured
-                self.forward(layer, query, None, None, out, cache, metadata)
-                return
-            self._step_attention(metadata).call_addressed(recorded_key, addresses, query, cache, out, scale)
+            if context.runtime_mode == CUDAGraphMode.FULL:
+                return None
+            current = context.kv_caches
+            for index, cache in caches:
+                if current[index] is not cache:
+                    return None
+            step = self._step
+            if step is None or step[0] is not context.attn_metadata:
+                return None
+            return step[1].native_launch(key)
 
-        return replay
+        return bind
 
     def _step_attention(self, metadata: CommonAttentionMetadata) -> StepAttention:
         """The StepAttention of this step: made by its first layer, kept while the metadata object
@@ -85,3 +99,28 @@ class TritonPagedBackend(AttentionBackend):
             step = self._step = (metadata, StepAttention(metadata.query_start_loc, metadata.seq_lens,
                                                          metadata.block_table, metadata.max_seq_len))
         return step[1]
+
+
+class _BreakReplay:
+    """One PIECEWISE attention break's replay (see `TritonPagedBackend.prepare_replay`). `loop_group`
+    and `patched` (its q, KV cache and out addresses) let a BreakableGraph hand the layers after the
+    first to the layer loop in C (`TritonPagedBackend.loop_binder`)."""
+
+    __slots__ = ("backend", "layer", "query", "out", "kv_cache", "index", "scale", "key", "patched", "loop_group")
+
+    def __init__(self, backend: TritonPagedBackend, layer: Any, query: torch.Tensor, out: torch.Tensor,
+                 kv_cache: torch.Tensor) -> None:
+        self.backend, self.layer, self.query, self.out, self.kv_cache = backend, layer, query, out, kv_cache
+        self.index, self.scale = layer.cache_index, layer.scale
+        self.key = interned_layer_key(query, kv_cache, out, self.scale)
+        self.patched = (query.data_ptr(), kv_cache.data_ptr(), out.data_ptr())
+        self.loop_group = backend
+
+    def __call__(self) -> None:
+        context = get_forward_context()
+        metadata, cache = context.attn_metadata, context.kv_caches[self.index]
+        if cache is not self.kv_cache or context.runtime_mode == CUDAGraphMode.FULL:   # not what was captured
+            self.backend.forward(self.layer, self.query, None, None, self.out, cache, metadata)
+            return
+        self.backend._step_attention(metadata).call_addressed(self.key, self.patched, self.query, cache,
+                                                              self.out, self.scale)

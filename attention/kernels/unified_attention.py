@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.kernels.driver_launch import KernelLaunch, kernel_launch
 from attention.kernels.fast_launch import FastLaunch, num_sms
 from attention.kernels.pdl import use_pdl, wait_for_producers
 
@@ -457,6 +458,7 @@ class StepAttention:
         launcher takes an int as it is; a tensor costs it a `data_ptr()` call and a driver query)."""
         self._alive: tuple = ()   # the tensors behind those addresses (the split scratch is this step's)
         self._direct = None   # FastLaunch.direct_launch of the bound kernel, grid and stream (None: relaunch)
+        self._native: tuple[KernelLaunch, int] | bool | None = None   # native_launch's answer, once worked out
         self._device_index = 0
         self._stream = None
         self.relaunches = 0
@@ -494,6 +496,18 @@ class StepAttention:
             self._relaunch(*addresses)
             return
         self.call_keyed(key, query, kv_cache, out, scale)
+
+    def native_launch(self, key: tuple) -> tuple[KernelLaunch, int] | None:
+        """The bound launch in driver form with this step's grid and arguments, and its stream, for
+        layers whose `layer_key` is `key` (the PIECEWISE layer loop in C, runner/cudagraph/native_loop.py,
+        patches in each layer's q, KV cache and out), or None: nothing bound, another key, or a
+        launch without a driver form (attention/kernels/driver_launch.py). Worked out once per step."""
+        if self._kernel is None or not (key is self._key or key == self._key):
+            return None
+        if self._native is None:
+            launch = kernel_launch(self._kernel, self._grid, (0, 0, 0) + self._rest)
+            self._native = (launch, self._stream) if launch is not None else False
+        return self._native or None
 
     def _relaunch(self, query, kv_cache, out) -> None:
         """The bound launch with this layer's q, KV cache and out (tensors or their addresses)."""

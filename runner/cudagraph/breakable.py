@@ -21,6 +21,12 @@ forward context current at replay), or None for the generic call. Why: a PIECEWI
 30-layer model replays 30 break ops from Python, and work that depends only on the recorded
 inputs (checking their shapes, strides, alignment) need not be redone every step.
 
+A graph whose prepared replays all offer the layer loop (`layer_loop`: the Triton attention
+backend's do) replays from its second segment on in C (runner/cudagraph/native_loop.py): Python
+replays segment 0 and break 0, which binds the step's attention launch, then one C call launches
+segment 1, the attention with break 1's pointers, segment 2, ... If a step cannot take the loop (its
+first break bound nothing, or something differs from the capture), that step replays from Python.
+
 The graph primitive is a factory (`CUDA_GRAPHS` by default) so CPU tests can inject a fake.
 """
 
@@ -35,6 +41,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
 import torch
+
+from runner.cudagraph import native_loop
 
 
 class GraphLike(Protocol):
@@ -119,6 +127,23 @@ def _replay_of(segment: GraphLike) -> Callable[[], None]:
     return types.MethodType(native, segment)
 
 
+def layer_loop(segments: list[GraphLike], breaks: list["BreakRecord"]) -> tuple | None:
+    """(LayerLoop, bind) for a graph whose break replays all offer the C layer loop, else None.
+
+    The protocol: each prepared replay has `loop_group` (one object for all breaks of the graph)
+    and `patched` (the addresses that differ per break); `loop_group.loop_binder(replays)` returns
+    the per-step `bind()` -> (KernelLaunch, stream) or None (see attention/backends/triton_paged.py)."""
+    replays = [r.replay for r in breaks]
+    group = getattr(replays[0], "loop_group", None) if replays else None
+    if group is None or any(getattr(r, "loop_group", None) is not group for r in replays):
+        return None
+    bind = group.loop_binder(replays)
+    if bind is None:
+        return None
+    loop = native_loop.layer_loop(segments, [r.patched for r in replays[1:]])
+    return None if loop is None else (loop, bind)
+
+
 @dataclass(frozen=True)
 class BreakRecord:
     op: Callable[..., Any]
@@ -129,20 +154,34 @@ class BreakRecord:
 
 
 class BreakableGraph:
-    """Captured segments and the break ops between them: len(segments) == len(breaks) + 1."""
+    """Captured segments and the break ops between them: len(segments) == len(breaks) + 1.
 
-    def __init__(self, segments: list[GraphLike], breaks: list[BreakRecord]) -> None:
+    `loop`: the layer loop in C (runner/cudagraph/native_loop.py) and its per-step binder, when the
+    breaks allow it (`layer_loop`); else None and every replay runs from Python."""
+
+    def __init__(self, segments: list[GraphLike], breaks: list[BreakRecord], loop: tuple | None = None) -> None:
         if len(segments) != len(breaks) + 1:
             raise ValueError(f"{len(segments)} segments for {len(breaks)} breaks")
         self.segments, self.breaks = segments, breaks
         self._calls = [r.replay or functools.partial(r.op, *r.args, **r.kwargs) for r in breaks]
         self._replays = [_replay_of(segment) for segment in segments]
+        self.loop = loop
 
     def replay(self) -> None:
-        for replay, call in zip(self._replays, self._calls):
+        replays, calls = self._replays, self._calls
+        if self.loop is not None:
+            replays[0]()
+            calls[0]()                        # binds the step's launch
+            loop, bind = self.loop
+            bound = bind()
+            if bound is not None:
+                loop.run(*bound)              # segments 1.., breaks 1.. in C
+                return
+            replays, calls = replays[1:], calls[1:]
+        for replay, call in zip(replays, calls):
             replay()
             call()
-        self._replays[-1]()
+        replays[-1]()
 
     def break_inputs(self) -> list[tuple[tuple, dict]]:
         """(args, kwargs) of each break, for the debug address check."""
@@ -197,7 +236,7 @@ class BreakableCapture:
                 raise  # otherwise the original error is the one worth seeing
             return
         if exc_type is None:
-            self.graph = BreakableGraph(self._segments, self._breaks)
+            self.graph = BreakableGraph(self._segments, self._breaks, layer_loop(self._segments, self._breaks))
 
     def run_break(self, op: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """End the segment, run `op` eagerly, check it wrote into `out`, record it, resume."""
