@@ -4,7 +4,8 @@
 
 Four variants alternate in blocks of `--steps` engine steps (the device host's speed drifts, so a
 before/after across runs measures the host, not the change); the median step time of each is
-printed with the per-block figures:
+printed with the host time spent inside the PIECEWISE replay call per step (launching, not the GPU's
+work), the replays that took the C loop, and the per-block figures:
 - "native": as the engine runs: the layers after the first replayed by the layer loop in C
   (runner/cudagraph/native_loop.py: cuGraphLaunch + cuLaunchKernelEx per layer);
 - "fast": the layer loop in Python (break replays prepared at capture, attention through Triton's C
@@ -51,6 +52,22 @@ def _set_variant(runner, variant: str) -> None:
         graph.loop = layer_loop(graph.segments, graph.breaks) if variant == "native" else None
 
 
+_replay_seconds = [0.0]
+
+
+def _time_replays(runner) -> None:
+    """Add each PIECEWISE replay's host time (the call, not the GPU work) to `_replay_seconds`."""
+    for entry in runner.piecewise._entries.values():
+        replay = type(entry.graph).replay.__get__(entry.graph)
+
+        def timed(replay=replay) -> None:
+            started = time.perf_counter()
+            replay()
+            _replay_seconds[0] += time.perf_counter() - started
+
+        entry.graph.replay = timed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
@@ -76,22 +93,28 @@ def main() -> None:
             engine.add_request(list(range(1, 129)), params, request_id=f"r{i}")
         for _ in range(10):   # prefill and warm-up
             engine.step()
+        _time_replays(runner)
         times = {variant: [] for variant in VARIANTS}
+        replay_us = {variant: [] for variant in VARIANTS}
+        loop_runs = dict.fromkeys(VARIANTS, 0)
         for block in range(len(VARIANTS) * args.blocks):
             variant = VARIANTS[block % len(VARIANTS)]
             _set_variant(runner, variant)
             torch.cuda.synchronize()
+            _replay_seconds[0] = 0.0
             started = time.perf_counter()
             for _ in range(args.steps):
                 engine.step()
             torch.cuda.synchronize()
             times[variant].append((time.perf_counter() - started) / args.steps * 1e3)
-        print(f"PIECEWISE replays through the C layer loop: {runner.piecewise.layer_loop_runs}")
+            replay_us[variant].append(_replay_seconds[0] / args.steps * 1e6)
+            loop_runs[variant] += runner.piecewise.layer_loop_runs
         llm.shutdown()
     medians = {variant: statistics.median(t) for variant, t in times.items()}
     for variant in VARIANTS:
         print(f"{args.shape} PIECEWISE bs{args.batch_size} {variant:13s}: median {medians[variant]:.3f} ms/step "
-              f"({medians[variant] / medians['fast']:.3f}x fast), blocks {', '.join(f'{t:.3f}' for t in times[variant])}")
+              f"({medians[variant] / medians['fast']:.3f}x fast), host in replay {statistics.median(replay_us[variant]):.0f} "
+              f"us/step, C loop runs {loop_runs[variant]}, blocks {', '.join(f'{t:.3f}' for t in times[variant])}")
 
 
 if __name__ == "__main__":
