@@ -5,9 +5,9 @@
 Four variants alternate in blocks of `--steps` engine steps (the device host's speed drifts, so a
 before/after across runs measures the host, not the change); the median step time of each is
 printed with the host time spent inside the PIECEWISE replay call per step (launching, not the GPU's
-work), the replays that took the C loop, and the per-block figures:
-- "native": as the engine runs: the layers after the first replayed by the layer loop in C
-  (runner/cudagraph/native_loop.py: cuGraphLaunch + cuLaunchKernelEx per layer);
+work), the replays launched as step graphs, and the per-block figures:
+- "native": as the engine runs: the whole replay as one step graph (runner/cudagraph/native_loop.py:
+  segments as child graphs, attention as kernel nodes re-parameterised when the step's launch differs);
 - "fast": the layer loop in Python (break replays prepared at capture, attention through Triton's C
   launch directly, segments through torch's C++ replay), what session 6 left;
 - "python-launch": prepared break replays, but attention through Triton's Python launcher and
@@ -38,7 +38,7 @@ VARIANTS = ("native", "fast", "python-launch", "generic")
 def _set_variant(runner, variant: str) -> None:
     """Rebuild every captured BreakableGraph's per-segment replays and break calls for `variant`."""
     from attention.kernels import unified_attention
-    from runner.cudagraph.breakable import _replay_of, layer_loop
+    from runner.cudagraph.breakable import _replay_of
     launcher = unified_attention._attention_launch
     vars(launcher).pop("direct_launch", None)          # FastLaunch.direct_launch again
     if variant not in ("native", "fast"):
@@ -49,7 +49,11 @@ def _set_variant(runner, variant: str) -> None:
         graph._calls = [(r.replay if prepared and r.replay else functools.partial(r.op, *r.args, **r.kwargs))
                         for r in graph.breaks]
         graph._replays = [_replay_of(s) if variant in ("native", "fast") else s.replay for s in graph.segments]
-        graph.loop = layer_loop(graph.segments, graph.breaks) if variant == "native" else None
+        _, engines = _step_graphs.setdefault(id(graph), (graph, graph.step_graph))   # the engine's own, kept
+        graph.step_graph = engines if variant == "native" else None
+
+
+_step_graphs: dict[int, tuple] = {}
 
 
 _replay_seconds = [0.0]
@@ -108,13 +112,13 @@ def main() -> None:
             torch.cuda.synchronize()
             times[variant].append((time.perf_counter() - started) / args.steps * 1e3)
             replay_us[variant].append(_replay_seconds[0] / args.steps * 1e6)
-            loop_runs[variant] += runner.piecewise.layer_loop_runs
+            loop_runs[variant] += runner.piecewise.step_graph_runs
         llm.shutdown()
     medians = {variant: statistics.median(t) for variant, t in times.items()}
     for variant in VARIANTS:
         print(f"{args.shape} PIECEWISE bs{args.batch_size} {variant:13s}: median {medians[variant]:.3f} ms/step "
               f"({medians[variant] / medians['fast']:.3f}x fast), host in replay {statistics.median(replay_us[variant]):.0f} "
-              f"us/step, C loop runs {loop_runs[variant]}, blocks {', '.join(f'{t:.3f}' for t in times[variant])}")
+              f"us/step, step graph runs {loop_runs[variant]}, blocks {', '.join(f'{t:.3f}' for t in times[variant])}")
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ def test_graph_modes_match_eager_and_hf(tiny, mode):
         assert any(not d.uniform_decode for d in runner.full.replays_by_descriptor)
     if mode in ("PIECEWISE", "FULL_AND_PIECEWISE"):
         assert runner.piecewise.num_replays > 0
-        assert runner.piecewise.layer_loop_runs > 0     # the layers after the first replayed in C
+        assert runner.piecewise.step_graph_runs > 0     # the layers after the first replayed in C
     _release(llm)
 
 

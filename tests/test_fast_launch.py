@@ -185,3 +185,18 @@ def test_direct_launch_is_refused_where_it_is_not_known_to_be_safe():
         def __call__(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit_, *args):
             self.launch(gx, gy, gz, stream, function, *reversed(args))
     assert launch.direct_launch(_kernel_with(Reordering()), (1,), 0) is None
+
+
+def test_compiled_kernel_looks_up_without_launching():
+    """`compiled_kernel` (the PIECEWISE step graph plans the step's attention with it): the kernel a
+    call with these arguments would relaunch, None before its first (compiling) call or for another
+    key; nothing is launched either way."""
+    fn, launch = _fake()
+    x = torch.zeros(64)
+    assert launch.compiled_kernel((x, 32, 5, 0.5, 7), num_warps=4, num_stages=2) is None
+    launch((3, 2), x, 32, 5, 0.5, 7, device_index=0, num_warps=4, num_stages=2)
+    kernel = fn.kernels[0]
+    assert launch.compiled_kernel((x, 32, 9, 0.25, 7), num_warps=4, num_stages=2) is kernel   # same key
+    assert launch.compiled_kernel((x, 33, 9, 0.25, 7), num_warps=4, num_stages=2) is None     # 33: another key
+    assert launch.compiled_kernel((x, 32, 9, 0.25, 7), num_warps=8, num_stages=2) is None     # another option
+    assert not kernel.runs and len(fn.slow_calls) == 1

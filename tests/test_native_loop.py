@@ -1,12 +1,14 @@
-"""The PIECEWISE layer loop in C, on a CPU: the driver form of a launch (parameter layout, config,
-refusals), StepAttention's and the Triton backend's parts of the per-step binding, BreakableGraph's
-hand-over to the loop and its fallback, the loop's arguments and errors (a FAKE C function records
-them), and that the C source compiles. A GPU test (tests/test_triton_gpu.py) runs the real loop
-against Triton's launches bit for bit."""
+"""The PIECEWISE step graph, on a CPU: the driver form of a launch (parameter layout, config,
+refusals), StepAttention's and the Triton backend's parts of the per-step binding (planned, not
+launched), BreakableGraph's hand-over to the step graph and its fallback, the step graph's build /
+update / launch decisions and errors (a FAKE driver records them), and that the C source compiles.
+GPU tests (tests/test_triton_gpu.py, tests/test_engine_cuda.py) run the real one against Triton's
+launches bit for bit and against eager and HF tokens."""
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import struct
 from types import SimpleNamespace
 
@@ -16,7 +18,7 @@ import torch
 from attention.kernels.driver_launch import kernel_launch
 from runner.cudagraph import native_loop
 from runner.cudagraph.breakable import BreakableGraph, BreakRecord
-from runner.cudagraph.native_loop import LayerLoop
+from runner.cudagraph.native_loop import StepGraph
 
 SIGNATURE = {"q": "*fp32", "cache": "*bf16", "out": "*fp32", "scale": "fp32", "n": "i32", "BLOCK": "constexpr",
              "stride": "i64", "flag": "i1", "half": "fp16", "count": "u32"}
@@ -79,55 +81,103 @@ def test_driver_form_refuses_unknown_types_tensors_and_mismatched_signatures():
     assert kernel_launch(SimpleNamespace(function=1), (1,), ARGS) is None                    # no signature at all
 
 
-class FakeLoopFunction:
-    """Stands in for the C `gr_layer_loop`: records what it is given, returns `status`."""
-
-    def __init__(self, status: int = 0) -> None:
-        self.status, self.calls = status, []
-
-    def __call__(self, n, graphs, stream, function, config, params, slots, values, p):
-        self.calls.append(dict(n=n, graphs=list(graphs), stream=stream, function=function, config=list(config),
-                               params=params, slots=slots, values=list(values)[:n * p], p=p))
-        return self.status
+_KERNEL = fake_kernel()
 
 
-def test_layer_loop_passes_the_segments_the_launch_and_each_layers_pointers():
-    launch = kernel_launch(fake_kernel(), (4,), ARGS)
-    run = FakeLoopFunction()
-    loop = LayerLoop([11, 12, 13], [(1, 2, 3), (4, 5, 6)], run)
-    loop.run(launch, stream=77)
-    (call,) = run.calls
-    assert call["n"] == 2 and call["graphs"] == [11, 12, 13] and call["stream"] == 77
-    assert call["function"] == 0xF00D and call["config"][:5] == [4, 1, 1, 128, 2048]
-    assert call["params"] == ctypes.addressof(launch.params) and call["slots"] is launch.blob
-    assert call["values"] == [1, 2, 3, 4, 5, 6] and call["p"] == 3
-    assert loop.runs == 1
+def launch_kernel():
+    """One fake kernel for the tests that relaunch it (the driver form is worked out per kernel)."""
+    return _KERNEL
+
+
+class FakeDriver:
+    """Stands in for the C library's step-graph functions: records what each is given (the
+    attention parameters per node as the driver would copy them), returns `fail` where asked."""
+
+    def __init__(self, fail: dict | None = None) -> None:
+        self.fail, self.calls, self.nodes = fail or {}, [], {}
+
+    def _nodes(self, n, function, config, slots, values, p):
+        for i in range(n):
+            for k in range(p):
+                slots[k] = values[i * p + k]
+            self.nodes[i] = (function, list(config)[:5], list(slots))
+
+    def gr_step_graph(self, n, graphs, function, config, params, slots, values, p, out):
+        self.calls.append(("build", list(graphs), params))
+        if "build" in self.fail:
+            return self.fail["build"]
+        self._nodes(n, function, config, slots, values, p)
+        out[0], out[1] = 501, 502
+        for i in range(n):
+            out[2 + i] = 600 + i
+        return 0
+
+    def gr_step_update(self, handles, n, function, config, params, slots, values, p):
+        self.calls.append(("update", list(handles)))
+        self._nodes(n, function, config, slots, values, p)
+        return self.fail.get("update", 0)
+
+    def gr_step_launch(self, exec_, stream):
+        self.calls.append(("launch", exec_, stream))
+        return self.fail.get("launch", 0)
+
+    def gr_step_destroy(self, exec_, graph):
+        self.calls.append(("destroy", exec_, graph))
+
+
+def test_step_graph_is_built_once_then_relaunched_and_updated_only_when_the_launch_changes():
+    driver = FakeDriver()
+    graph = StepGraph([11, 12, 13], [(1, 2, 3), (4, 5, 6)], driver)
+    launch = kernel_launch(launch_kernel(), (4,), ARGS)
+    graph.run(launch, stream=77)
+    assert driver.calls[0] == ("build", [11, 12, 13], ctypes.addressof(launch.params))
+    assert driver.calls[1] == ("launch", 501, 77)
+    assert driver.nodes[0][0] == 0xF00D and driver.nodes[0][1] == [4, 1, 1, 128, 2048]
+    assert driver.nodes[0][2][:3] == [1, 2, 3] and driver.nodes[1][2][:3] == [4, 5, 6]    # each layer's pointers
+    assert driver.nodes[1][2][3:] == list(launch.blob)[3:]
+    driver.calls.clear()
+    same = kernel_launch(launch_kernel(), (4,), ARGS)
+    graph.run(same, stream=77)                     # the same launch: nothing to update
+    assert driver.calls == [("launch", 501, 77)] and graph.updates == 0
+    changed = kernel_launch(launch_kernel(), (6,), ARGS[:4] + (2,) + ARGS[5:])   # another grid and count
+    driver.calls.clear()
+    graph.run(changed, stream=78)
+    assert driver.calls == [("update", [501, 502, 600, 601]), ("launch", 501, 78)] and graph.updates == 1
+    assert driver.nodes[1][1][0] == 6 and struct.unpack("<i", struct.pack("<Q", driver.nodes[1][2][4])[:4])[0] == 2
+    assert graph.runs == 3
     with pytest.raises(ValueError, match="segments"):
-        LayerLoop([11, 12], [(1, 2, 3), (4, 5, 6)], run)
+        StepGraph([11, 12], [(1, 2, 3), (4, 5, 6)], driver)
 
 
-def test_layer_loop_names_what_the_driver_refused():
+def test_step_graph_names_what_the_driver_refused_and_frees_what_it_built():
     launch = kernel_launch(fake_kernel(), (4,), ARGS)
-    with pytest.raises(RuntimeError, match=r"attention launch of break 2 \(CUresult 700\)"):
-        LayerLoop([11, 12, 13], [(1, 2, 3), (4, 5, 6)], FakeLoopFunction((4 << 16) | 700)).run(launch, 1)
-    with pytest.raises(RuntimeError, match=r"segment 2 \(CUresult 1\)"):
-        LayerLoop([11, 12, 13], [(1, 2, 3), (4, 5, 6)], FakeLoopFunction((3 << 16) | 1)).run(launch, 1)
+    with pytest.raises(RuntimeError, match=r"instantiating it \(CUresult 700\)"):
+        StepGraph([11, 12], [(1, 2, 3)], FakeDriver({"build": (3 << 16) | 700})).run(launch, 1)
+    with pytest.raises(RuntimeError, match=r"launching it \(CUresult 1\)"):
+        StepGraph([11, 12], [(1, 2, 3)], FakeDriver({"launch": (5 << 16) | 1})).run(launch, 1)
+    driver = FakeDriver()
+    graph = StepGraph([11, 12], [(1, 2, 3)], driver)
+    graph.run(launch, 1)
+    del graph
+    gc.collect()
+    assert driver.calls[-1] == ("destroy", 501, 502)
 
 
-def test_layer_loop_needs_exec_handles_and_can_be_switched_off(monkeypatch):
+def test_step_graph_needs_kept_graphs_and_can_be_switched_off(monkeypatch):
     class Segment:
         def __init__(self, handle):
             self.handle = handle
 
-        def raw_cuda_graph_exec(self):
+        def raw_cuda_graph(self):
             return self.handle
 
-    monkeypatch.setattr(native_loop, "library", lambda: SimpleNamespace(gr_layer_loop=FakeLoopFunction()))
-    loop = native_loop.layer_loop([Segment(1), Segment(2), Segment(3)], [(7, 8, 9)])
-    assert loop is not None and list(loop.execs) == [2, 3]     # the first segment is replayed from Python
-    assert native_loop.layer_loop([Segment(1), object(), Segment(3)], [(7, 8, 9)]) is None   # a fake graph
+    monkeypatch.setattr(native_loop, "library", lambda: FakeDriver())
+    graph = native_loop.step_graph([Segment(1), Segment(2), Segment(3)], [(7, 8, 9), (4, 5, 6)])
+    assert graph is not None and list(graph.graphs) == [1, 2, 3]
+    assert native_loop.step_graph([Segment(1), object(), Segment(3)], [(7, 8, 9), (4, 5, 6)]) is None  # a fake
+    assert native_loop.step_graph([Segment(1), Segment(0), Segment(3)], [(7, 8, 9), (4, 5, 6)]) is None  # not kept
     monkeypatch.setattr(native_loop, "ENABLED", False)
-    assert native_loop.layer_loop([Segment(1), Segment(2), Segment(3)], [(7, 8, 9)]) is None
+    assert native_loop.step_graph([Segment(1), Segment(2), Segment(3)], [(7, 8, 9), (4, 5, 6)]) is None
 
 
 class Log:
@@ -141,7 +191,7 @@ class Log:
     def replay(self, i, group):
         def call():
             self.events.append(f"break{i}")
-        call.loop_group, call.patched = group, (i, i, i)
+        call.step_graph_group, call.patched = group, (i, i, i)
         return call
 
 
@@ -149,47 +199,57 @@ def make_graph(log: Log, layers: int, bound, group=None) -> BreakableGraph:
     group = group or SimpleNamespace()
     segments = [log.segment(i) for i in range(layers + 1)]
     breaks = [BreakRecord(op=None, args=(), kwargs={}, replay=log.replay(i, group)) for i in range(layers)]
-    loop = SimpleNamespace(run=lambda launch, stream: log.events.append(("loop", launch, stream)))
-    return BreakableGraph(segments, breaks, (loop, lambda: bound()))
+    step_graph = SimpleNamespace(run=lambda launch, stream: log.events.append(("step graph", launch, stream)))
+    return BreakableGraph(segments, breaks, (step_graph, lambda: bound()))
 
 
-def test_breakable_graph_hands_the_layers_after_the_first_to_the_loop():
+def test_breakable_graph_launches_the_step_graph_when_the_step_offers_its_launch():
     log = Log()
     graph = make_graph(log, 3, lambda: ("launch", 5))
     graph.replay()
-    assert log.events == ["seg0", "break0", ("loop", "launch", 5)]
+    assert log.events == [("step graph", "launch", 5)]
 
 
-def test_breakable_graph_replays_from_python_when_the_step_cannot_take_the_loop():
+def test_breakable_graph_replays_from_python_when_the_step_cannot_take_the_step_graph():
     log = Log()
     graph = make_graph(log, 3, lambda: None)
     graph.replay()
     assert log.events == ["seg0", "break0", "seg1", "break1", "seg2", "break2", "seg3"]
 
 
-def test_layer_loop_is_offered_only_when_every_break_shares_one_group(monkeypatch):
+def test_step_graph_is_offered_only_when_every_break_shares_one_group(monkeypatch):
     from runner.cudagraph import breakable
-    log, group = Log(), SimpleNamespace(loop_binder=lambda replays: (lambda: None))
-    monkeypatch.setattr(native_loop, "layer_loop", lambda segments, patched: ("loop over", len(segments), patched))
+    log, group = Log(), SimpleNamespace(step_graph_binder=lambda replays: (lambda: None))
+    monkeypatch.setattr(native_loop, "step_graph", lambda segments, patched: ("graph of", len(segments), patched))
     segments = [log.segment(i) for i in range(3)]
     same = [BreakRecord(None, (), {}, log.replay(i, group)) for i in range(2)]
-    loop, bind = breakable.layer_loop(segments, same)
-    assert loop == ("loop over", 3, [(1, 1, 1)]) and bind() is None
-    mixed = [same[0], BreakRecord(None, (), {}, log.replay(1, SimpleNamespace(loop_binder=group.loop_binder)))]
-    assert breakable.layer_loop(segments, mixed) is None
-    generic = [BreakRecord(None, (), {}, None), same[1]]
-    assert breakable.layer_loop(segments, generic) is None
-    refusing = SimpleNamespace(loop_binder=lambda replays: None)
-    assert breakable.layer_loop(segments, [BreakRecord(None, (), {}, log.replay(i, refusing)) for i in range(2)]) is None
+    step_graph, bind = breakable.native_step_graph(segments, same)
+    assert step_graph == ("graph of", 3, [(0, 0, 0), (1, 1, 1)]) and bind() is None
+    other = SimpleNamespace(step_graph_binder=group.step_graph_binder)
+    assert breakable.native_step_graph(segments, [same[0], BreakRecord(None, (), {}, log.replay(1, other))]) is None
+    assert breakable.native_step_graph(segments, [BreakRecord(None, (), {}, None), same[1]]) is None
+    refusing = SimpleNamespace(step_graph_binder=lambda replays: None)
+    refused = [BreakRecord(None, (), {}, log.replay(i, refusing)) for i in range(2)]
+    assert breakable.native_step_graph(segments, refused) is None
 
 
-def test_step_attention_offers_its_bound_launch_in_driver_form_once_per_step(monkeypatch):
+@pytest.mark.parametrize("how", ["launched", "planned"])
+def test_step_attention_offers_its_bound_launch_in_driver_form_once_per_step(monkeypatch, how):
+    """Bound by a launch (`call_keyed`) or without one (`bind_without_launch`, the step graph's way:
+    the compiled kernel looked up, nothing launched), the step's launch in driver form has the
+    planned grid and arguments, pointers as addresses, the patched three as 0."""
     from attention.kernels import unified_attention as ua
     from tests.test_triton_kernels import make_batch
 
+    launched, compiled = [], {"kernel": "compiled kernel"}
+
     class FakeLaunch:
         def __call__(self, grid, *args, **options):
+            launched.append(grid)
             return "compiled kernel"
+
+        def compiled_kernel(self, args, **options):
+            return compiled["kernel"]
 
         def stream_of(self, device_index):
             return 99
@@ -205,7 +265,17 @@ def test_step_attention_offers_its_bound_launch_in_driver_form_once_per_step(mon
     key = ua.interned_layer_key(b.query, b.kv_cache, b.query, b.scale)
     assert step.native_launch(key) is None                       # nothing bound yet
     out = torch.empty_like(b.query)
-    step.call_keyed(key, b.query, b.kv_cache, out, b.scale)
+    if how == "launched":
+        step.call_keyed(key, b.query, b.kv_cache, out, b.scale)
+        assert len(launched) == 1
+    else:
+        compiled["kernel"] = None
+        assert not step.bind_without_launch(key, b.query, b.kv_cache, out, b.scale)   # not compiled yet
+        compiled["kernel"] = "compiled kernel"
+        assert step.bind_without_launch(key, b.query, b.kv_cache, out, b.scale)
+        assert step.bind_without_launch(key, b.query, b.kv_cache, out, b.scale)       # bound: same key
+        assert not step.bind_without_launch(("another key",), b.query, b.kv_cache, out, b.scale)
+        assert not launched
     assert step.native_launch(key) == ("driver form", 99)
     assert step.native_launch(key) == ("driver form", 99) and len(made) == 1
     kernel, grid, args = made[0]
@@ -215,17 +285,24 @@ def test_step_attention_offers_its_bound_launch_in_driver_form_once_per_step(mon
     assert step.native_launch(("another key",)) is None
 
 
-def test_triton_backend_binds_the_loop_only_for_the_step_it_was_captured_for(monkeypatch):
+def test_triton_backend_plans_the_step_graphs_launch_only_for_what_was_captured(monkeypatch):
     from attention.backends import triton_paged
     from attention.forward_context import ForwardContext, set_forward_context
     from configs import CUDAGraphMode
 
+    planned = []
+
     class FakeStepAttention:
+        compiled = True
+
         def __init__(self, *args):
             self.bound = None
 
-        def call_addressed(self, key, addresses, query, kv_cache, out, scale):
-            self.bound = key
+        def bind_without_launch(self, key, query, kv_cache, out, scale):
+            planned.append((key, query is q, kv_cache is caches[0], out is out_, scale))
+            if FakeStepAttention.compiled:
+                self.bound = key
+            return FakeStepAttention.compiled
 
         def native_launch(self, key):
             return ("launch", 5) if key is self.bound else None
@@ -233,38 +310,39 @@ def test_triton_backend_binds_the_loop_only_for_the_step_it_was_captured_for(mon
     monkeypatch.setattr(triton_paged, "StepAttention", FakeStepAttention)
     backend = triton_paged.TritonPagedBackend()
     caches = [torch.zeros(2, 3, 4, 2, 8) for _ in range(3)]
-    q, out = torch.zeros(2, 4, 8), torch.zeros(2, 4, 8)
-    replays = [backend.prepare_replay(SimpleNamespace(scale=0.5, cache_index=i), q, None, None, out, caches[i])
+    q, out_ = torch.zeros(2, 4, 8), torch.zeros(2, 4, 8)
+    replays = [backend.prepare_replay(SimpleNamespace(scale=0.5, cache_index=i), q, None, None, out_, caches[i])
                for i in range(3)]
-    assert all(r.loop_group is backend for r in replays)
-    assert replays[1].patched == (q.data_ptr(), caches[1].data_ptr(), out.data_ptr())
-    bind = backend.loop_binder(replays)
+    assert all(r.step_graph_group is backend for r in replays)
+    assert replays[1].patched == (q.data_ptr(), caches[1].data_ptr(), out_.data_ptr())
+    bind = backend.step_graph_binder(replays)
 
     def metadata():
         return SimpleNamespace(query_start_loc=None, seq_lens=None, block_table=None, max_seq_len=9)
 
     with set_forward_context(ForwardContext(metadata(), caches, backend, CUDAGraphMode.PIECEWISE)):
-        assert bind() is None                  # no StepAttention for this step yet
-        replays[0]()                           # the first break binds it
-        assert bind() == ("launch", 5)
+        assert bind() == ("launch", 5)          # planned on the first break's recorded tensors
+    assert planned == [(replays[0].key, True, True, True, 0.5)]
+    FakeStepAttention.compiled = False
     with set_forward_context(ForwardContext(metadata(), caches, backend, CUDAGraphMode.PIECEWISE)):
-        assert bind() is None                  # a new step: the old step's launch is not offered
+        assert bind() is None                   # no compiled kernel for this step's launch
+    FakeStepAttention.compiled = True
     with set_forward_context(ForwardContext(metadata(), [caches[0], caches[1].clone(), caches[2]], backend,
                                             CUDAGraphMode.PIECEWISE)):
-        replays[0]()
-        assert bind() is None                  # another KV cache than the one captured
+        assert bind() is None                   # another KV cache than the one captured
     with set_forward_context(ForwardContext(metadata(), caches, backend, CUDAGraphMode.FULL)):
         assert bind() is None
-    other = backend.prepare_replay(SimpleNamespace(scale=0.25, cache_index=0), q, None, None, out, caches[0])
-    assert backend.loop_binder([replays[0], other]) is None   # layers with different launches
+    assert len(planned) == 2                    # neither of the last two got as far as planning
+    other = backend.prepare_replay(SimpleNamespace(scale=0.25, cache_index=0), q, None, None, out_, caches[0])
+    assert backend.step_graph_binder([replays[0], other]) is None   # layers with different launches
 
 
-def test_the_c_loop_compiles(tmp_path):
+def test_the_c_library_compiles(tmp_path):
     include, cc = native_loop.cuda_header_dir(), native_loop.compiler()
     if include is None or cc is None:
         pytest.skip("no cuda.h from Triton or no C compiler here")
     built = native_loop.build(include, cc, tmp_path)
     assert native_loop.build(include, cc, tmp_path) == built        # cached by source hash
     lib = ctypes.CDLL(str(built))
-    assert hasattr(lib, "gr_init") and hasattr(lib, "gr_layer_loop")
-
+    for name in ("gr_init", "gr_step_graph", "gr_step_update", "gr_step_launch", "gr_step_destroy"):
+        assert hasattr(lib, name), name

@@ -261,49 +261,59 @@ def test_gpu_argmax_equals_torch(rows, vocab):
     assert torch.equal(argmax_rows(x.float()), x.float().argmax(dim=-1))
 
 
-@pytest.mark.parametrize("context", [40, 3000], ids=["one-split", "splits"])
-def test_layer_loop_in_c_equals_unified_attention_per_layer(context):
-    """The PIECEWISE layer loop in C (runner/cudagraph/native_loop.py) on four layers: segment 0 and
-    layer 0's attention from Python (binding the step's launch), then one C call for segments 1-4 and
-    layers 1-3, each layer's attention through the launch's driver form with its q, KV cache and
-    out patched in. Segment i copies layer i-1's output, so a launch out of order or with a wrong
-    parameter shows as a mismatch against a full `unified_attention` call per layer."""
+def test_step_graph_equals_unified_attention_per_layer():
+    """The PIECEWISE step graph (runner/cudagraph/native_loop.py) on four layers: five kept segment
+    graphs and four attention nodes in one CUDA graph, over two steps: contexts (40, 20, 7), then
+    (3000, 1500, 7), whose launch differs (split KV), so the nodes are re-parameterised. Segment i
+    copies layer i-1's output: a node out of order or with a wrong parameter shows as a mismatch
+    against a full `unified_attention` call per layer."""
     from attention.kernels.unified_attention import StepAttention, interned_layer_key
     from runner.cudagraph import native_loop
 
     b = Batch(num_tokens=4, num_reqs=4, max_blocks=256, num_blocks=1024, block_size=16)
-    b.fill([1, 1, 1], [context, context // 2, 7], seed=5)
     caches = [torch.randn_like(b.kv_cache, dtype=torch.float32).to(b.kv_cache.dtype) for _ in range(4)]
     outs = [torch.full_like(b.query, float("nan")) for _ in caches]
     copies = [torch.full_like(b.query, float("nan")) for _ in caches]
     marker = torch.zeros(1, device="cuda")
     segments = []
     for i in range(len(caches) + 1):
-        graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
         with torch.cuda.graph(graph):
             if i == 0:
                 marker.add_(1)
             else:
                 copies[i - 1].copy_(outs[i - 1])
+        graph.instantiate()
         segments.append(graph)
     addresses = [(b.query.data_ptr(), cache.data_ptr(), out.data_ptr()) for cache, out in zip(caches, outs)]
-    loop = native_loop.layer_loop(segments, addresses[1:])
-    assert loop is not None, "the C loop did not build or load here"
-    max_seq_len = int(b.seq_lens.max())
-    step = StepAttention(b.query_start_loc, b.seq_lens, b.block_table, max_seq_len)
+    step_graph = native_loop.step_graph(segments, addresses)
+    assert step_graph is not None, "the C library did not build or load here"
     key = interned_layer_key(b.query, caches[0], outs[0], b.scale)
-    segments[0].replay()
-    step.call_addressed(key, addresses[0], b.query, caches[0], outs[0], b.scale)
-    bound = step.native_launch(key)
-    assert bound is not None, "the attention launch has no driver form"
-    loop.run(*bound)
-    torch.cuda.synchronize()
-    assert loop.runs == 1 and marker.item() == 1
-    for cache, out, copy in zip(caches, outs, copies):
-        ref = torch.full_like(b.query, float("nan"))
-        unified_attention(b.query, cache, ref, b.query_start_loc, b.seq_lens, b.block_table, b.scale,
-                          max_seq_len=max_seq_len)
-        assert torch.equal(out, ref) and torch.equal(copy, ref)
+    for number, contexts in enumerate(([40, 20, 7], [3000, 1500, 7])):
+        b.fill([1, 1, 1], contexts, seed=5 + number)
+        for t in outs + copies:
+            t.fill_(float("nan"))
+        max_seq_len = int(b.seq_lens.max())
+        step = StepAttention(b.query_start_loc, b.seq_lens, b.block_table, max_seq_len)
+        if not step.bind_without_launch(key, b.query, caches[0], outs[0], b.scale):
+            # No compiled kernel for this launch yet: an eager call compiles it (as a Python replay would).
+            unified_attention(b.query, caches[0], outs[0], b.query_start_loc, b.seq_lens, b.block_table, b.scale,
+                              max_seq_len=max_seq_len)
+            step = StepAttention(b.query_start_loc, b.seq_lens, b.block_table, max_seq_len)
+            assert step.bind_without_launch(key, b.query, caches[0], outs[0], b.scale)
+        bound = step.native_launch(key)
+        assert bound is not None, "the attention launch has no driver form"
+        for t in outs:
+            t.fill_(float("nan"))
+        step_graph.run(*bound)
+        torch.cuda.synchronize()
+        assert marker.item() == number + 1
+        for cache, out, copy in zip(caches, outs, copies):
+            ref = torch.full_like(b.query, float("nan"))
+            unified_attention(b.query, cache, ref, b.query_start_loc, b.seq_lens, b.block_table, b.scale,
+                              max_seq_len=max_seq_len)
+            assert torch.equal(out, ref) and torch.equal(copy, ref), f"step {number}"
+    assert step_graph.runs == 2 and step_graph.updates == 1
 
 
 @pytest.mark.parametrize("context", [40, 3000], ids=["one-split", "splits"])

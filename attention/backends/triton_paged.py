@@ -65,16 +65,19 @@ class TritonPagedBackend(AttentionBackend):
             return None
         return _BreakReplay(self, layer, query, out, kv_cache)
 
-    def loop_binder(self, replays: list["_BreakReplay"]) -> Callable[[], tuple | None] | None:
-        """For the PIECEWISE layer loop in C (runner/cudagraph/breakable.py): given one graph's break
-        replays (all this backend's), a per-step `bind()` that returns the step's bound attention
-        launch in driver form and its stream when every break after the first may take it (the
-        first break, replayed from Python, has bound it), else None (the step replays from Python).
-        None when the breaks' layer keys differ (then no step could take the loop)."""
+    def step_graph_binder(self, replays: list["_BreakReplay"]) -> Callable[[], tuple | None] | None:
+        """For the PIECEWISE step graph (runner/cudagraph/native_loop.py): given one graph's break
+        replays (all this backend's), a per-step `bind()` that plans the step's attention launch on
+        the first break's recorded tensors WITHOUT launching it (the step graph launches every layer)
+        and returns it in driver form with its stream, or None (then the step replays from Python):
+        a FULL context, another KV cache than captured, no compiled kernel for the step's launch
+        yet, a launch that needs a second kernel or has no driver form. None when the breaks' layer
+        keys differ (no step could then share one launch)."""
         key = replays[0].key
         if any(r.key is not key for r in replays):
             return None
         caches = [(r.index, r.kv_cache) for r in replays]
+        first = replays[0]
 
         def bind() -> tuple | None:
             context = get_forward_context()
@@ -84,10 +87,10 @@ class TritonPagedBackend(AttentionBackend):
             for index, cache in caches:
                 if current[index] is not cache:
                     return None
-            step = self._step
-            if step is None or step[0] is not context.attn_metadata:
+            step = self._step_attention(context.attn_metadata)
+            if not step.bind_without_launch(key, first.query, first.kv_cache, first.out, first.scale):
                 return None
-            return step[1].native_launch(key)
+            return step.native_launch(key)
 
         return bind
 
@@ -102,11 +105,11 @@ class TritonPagedBackend(AttentionBackend):
 
 
 class _BreakReplay:
-    """One PIECEWISE attention break's replay (see `TritonPagedBackend.prepare_replay`). `loop_group`
-    and `patched` (its q, KV cache and out addresses) let a BreakableGraph hand the layers after the
-    first to the layer loop in C (`TritonPagedBackend.loop_binder`)."""
+    """One PIECEWISE attention break's replay (see `TritonPagedBackend.prepare_replay`). `step_graph_group`
+    and `patched` (its q, KV cache and out addresses) let a BreakableGraph replay as one step graph
+    (`TritonPagedBackend.step_graph_binder`)."""
 
-    __slots__ = ("backend", "layer", "query", "out", "kv_cache", "index", "scale", "key", "patched", "loop_group")
+    __slots__ = ("backend", "layer", "query", "out", "kv_cache", "index", "scale", "key", "patched", "step_graph_group")
 
     def __init__(self, backend: TritonPagedBackend, layer: Any, query: torch.Tensor, out: torch.Tensor,
                  kv_cache: torch.Tensor) -> None:
@@ -114,7 +117,7 @@ class _BreakReplay:
         self.index, self.scale = layer.cache_index, layer.scale
         self.key = interned_layer_key(query, kv_cache, out, self.scale)
         self.patched = (query.data_ptr(), kv_cache.data_ptr(), out.data_ptr())
-        self.loop_group = backend
+        self.step_graph_group = backend
 
     def __call__(self) -> None:
         context = get_forward_context()

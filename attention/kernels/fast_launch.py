@@ -149,6 +149,14 @@ class FastLaunch:
         self.relaunch(kernel, grid, args, device_index)
         return kernel
 
+    def compiled_kernel(self, args: tuple, device_index: int = 0, num_warps: int = 4, num_stages: int = 3,
+                        launch_pdl: bool = False) -> Any:
+        """The CompiledKernel a call with these arguments and options would launch, without launching
+        it; None where the call would not take the fast path or has not compiled it yet."""
+        if _ahead._active or self.kinds is None or not ENABLED or len(args) != len(self.kinds) or _launch_hooks_set():
+            return None
+        return self.compiled.get(self._fast_key(args, (device_index, num_warps, num_stages, launch_pdl)))
+
     def relaunch(self, kernel: Any, grid: tuple[int, ...], args: tuple, device_index: int = 0,
                  stream: int | None = None) -> None:
         """Launch `kernel` (returned by a call) again with arguments of the same key, without

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 import torch
 import triton
@@ -479,12 +480,32 @@ class StepAttention:
             return
         kernel = launch.run()
         if kernel is not None and launch.merge is None and self._kernel is None:
-            self._key, self._kernel, self._grid = key, kernel, launch.grid
-            self._alive = launch.args[3:]
-            self._rest = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in self._alive)
-            self._device_index = launch.options["device_index"]
-            self._stream = _attention_launch.stream_of(self._device_index)   # the step's stream
-            self._direct = _attention_launch.direct_launch(kernel, launch.grid, self._stream)
+            self._bind(key, kernel, launch)
+
+    def bind_without_launch(self, key: tuple, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
+                            scale: float) -> bool:
+        """Bind the step's launch for layers with `key` from these tensors without launching it (the
+        PIECEWISE step graph launches every layer, runner/cudagraph/native_loop.py). False where it
+        cannot be bound: nothing to launch, a split merge that needs its own kernel, no compiled
+        kernel for this launch yet (an eager call compiles it), or another key already bound."""
+        if self._kernel is not None:
+            return key is self._key or key == self._key
+        launch = _plan(query, kv_cache, out, *self.metadata, scale, None, self.max_seq_len)
+        if launch is None or launch.merge is not None:
+            return False
+        kernel = _attention_launch.compiled_kernel(launch.args, **launch.options)
+        if kernel is None:
+            return False
+        self._bind(key, kernel, launch)
+        return True
+
+    def _bind(self, key: tuple, kernel: Any, launch: "_Launch") -> None:
+        self._key, self._kernel, self._grid = key, kernel, launch.grid
+        self._alive = launch.args[3:]
+        self._rest = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in self._alive)
+        self._device_index = launch.options["device_index"]
+        self._stream = _attention_launch.stream_of(self._device_index)   # the step's stream
+        self._direct = _attention_launch.direct_launch(kernel, launch.grid, self._stream)
 
     def call_addressed(self, key: tuple, addresses: tuple[int, int, int], query: torch.Tensor,
                        kv_cache: torch.Tensor, out: torch.Tensor, scale: float) -> None:
@@ -500,7 +521,7 @@ class StepAttention:
     def native_launch(self, key: tuple) -> tuple[KernelLaunch, int] | None:
         """The bound launch in driver form with this step's grid and arguments, and its stream, for
         layers whose `layer_key` is `key` (the PIECEWISE layer loop in C, runner/cudagraph/native_loop.py,
-        patches in each layer's q, KV cache and out), or None: nothing bound, another key, or a
+        the step graph's nodes), or None: nothing bound, another key, or a
         launch without a driver form (attention/kernels/driver_launch.py). Worked out once per step."""
         if self._kernel is None or not (key is self._key or key == self._key):
             return None

@@ -21,11 +21,12 @@ forward context current at replay), or None for the generic call. Why: a PIECEWI
 30-layer model replays 30 break ops from Python, and work that depends only on the recorded
 inputs (checking their shapes, strides, alignment) need not be redone every step.
 
-A graph whose prepared replays all offer the layer loop (`layer_loop`: the Triton attention
-backend's do) replays from its second segment on in C (runner/cudagraph/native_loop.py): Python
-replays segment 0 and break 0, which binds the step's attention launch, then one C call launches
-segment 1, the attention with break 1's pointers, segment 2, ... If a step cannot take the loop (its
-first break bound nothing, or something differs from the capture), that step replays from Python.
+A graph whose prepared replays all offer it (`native_step_graph`: the Triton attention backend's do) is
+replayed as ONE CUDA graph (runner/cudagraph/native_loop.py): its segments as child graphs and its
+attention as kernel nodes, re-parameterised from the step's own launch plan when it differs from the
+last step's. A step that cannot take it (its launch has no compiled kernel yet, needs a second
+kernel, or something differs from the capture) replays from Python as above. For that the segments
+are kept as graphs (`keep_graph=True`) after they are instantiated.
 
 The graph primitive is a factory (`CUDA_GRAPHS` by default) so CPU tests can inject a fake.
 """
@@ -52,12 +53,21 @@ class GraphLike(Protocol):
 
 
 class CudaGraphFactory:
-    """The real primitive: a `torch.cuda.CUDAGraph`, captured on a side stream."""
+    """The real primitive: a `torch.cuda.CUDAGraph`, captured on a side stream. `kept()`: one that
+    keeps its cudaGraph_t after capture (a PIECEWISE segment, for the step graph), where torch can."""
 
     uses_cuda_streams = True
 
     def __call__(self) -> GraphLike:
         return torch.cuda.CUDAGraph()
+
+    def kept(self) -> GraphLike:
+        try:
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
+        except TypeError:   # a torch without keep_graph: no step graph, segments replay one by one
+            return torch.cuda.CUDAGraph()
+        graph.kept = True
+        return graph
 
 
 CUDA_GRAPHS = CudaGraphFactory()
@@ -100,6 +110,8 @@ def _end_capture(graph: GraphLike) -> None:
     with warnings.catch_warnings():  # two adjacent break points leave a legitimately empty segment
         warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
         graph.capture_end()
+        if getattr(graph, "kept", False):
+            graph.instantiate()   # a kept graph is instantiated on request (here, not at its first replay)
 
 
 def _alias(value: Any) -> Any:
@@ -127,21 +139,22 @@ def _replay_of(segment: GraphLike) -> Callable[[], None]:
     return types.MethodType(native, segment)
 
 
-def layer_loop(segments: list[GraphLike], breaks: list["BreakRecord"]) -> tuple | None:
-    """(LayerLoop, bind) for a graph whose break replays all offer the C layer loop, else None.
+def native_step_graph(segments: list[GraphLike], breaks: list["BreakRecord"]) -> tuple | None:
+    """(StepGraph, bind) for a graph whose break replays all offer the step graph, else None.
 
-    The protocol: each prepared replay has `loop_group` (one object for all breaks of the graph)
-    and `patched` (the addresses that differ per break); `loop_group.loop_binder(replays)` returns
-    the per-step `bind()` -> (KernelLaunch, stream) or None (see attention/backends/triton_paged.py)."""
+    The protocol: each prepared replay has `step_graph_group` (one object for all breaks of the graph)
+    and `patched` (the addresses that differ per break); `step_graph_group.step_graph_binder(replays)` returns
+    the per-step `bind()` -> (KernelLaunch, stream) of the step's attention, planned without being
+    launched, or None (see attention/backends/triton_paged.py)."""
     replays = [r.replay for r in breaks]
-    group = getattr(replays[0], "loop_group", None) if replays else None
-    if group is None or any(getattr(r, "loop_group", None) is not group for r in replays):
+    group = getattr(replays[0], "step_graph_group", None) if replays else None
+    if group is None or any(getattr(r, "step_graph_group", None) is not group for r in replays):
         return None
-    bind = group.loop_binder(replays)
+    bind = group.step_graph_binder(replays)
     if bind is None:
         return None
-    loop = native_loop.layer_loop(segments, [r.patched for r in replays[1:]])
-    return None if loop is None else (loop, bind)
+    graph = native_loop.step_graph(segments, [r.patched for r in replays])
+    return None if graph is None else (graph, bind)
 
 
 @dataclass(frozen=True)
@@ -156,32 +169,29 @@ class BreakRecord:
 class BreakableGraph:
     """Captured segments and the break ops between them: len(segments) == len(breaks) + 1.
 
-    `loop`: the layer loop in C (runner/cudagraph/native_loop.py) and its per-step binder, when the
-    breaks allow it (`layer_loop`); else None and every replay runs from Python."""
+    `step_graph`: (StepGraph, bind), the whole graph as one CUDA graph (runner/cudagraph/native_loop.py)
+    and its per-step binder, when the breaks allow it (`native_step_graph`); else None and every
+    replay runs from Python."""
 
-    def __init__(self, segments: list[GraphLike], breaks: list[BreakRecord], loop: tuple | None = None) -> None:
+    def __init__(self, segments: list[GraphLike], breaks: list[BreakRecord], step_graph: tuple | None = None) -> None:
         if len(segments) != len(breaks) + 1:
             raise ValueError(f"{len(segments)} segments for {len(breaks)} breaks")
         self.segments, self.breaks = segments, breaks
         self._calls = [r.replay or functools.partial(r.op, *r.args, **r.kwargs) for r in breaks]
         self._replays = [_replay_of(segment) for segment in segments]
-        self.loop = loop
+        self.step_graph = step_graph
 
     def replay(self) -> None:
-        replays, calls = self._replays, self._calls
-        if self.loop is not None:
-            replays[0]()
-            calls[0]()                        # binds the step's launch
-            loop, bind = self.loop
-            bound = bind()
+        if self.step_graph is not None:
+            graph, bind = self.step_graph
+            bound = bind()                    # this step's attention launch, planned, not launched
             if bound is not None:
-                loop.run(*bound)              # segments 1.., breaks 1.. in C
+                graph.run(*bound)             # the whole forward: one graph launch
                 return
-            replays, calls = replays[1:], calls[1:]
-        for replay, call in zip(replays, calls):
+        for replay, call in zip(self._replays, self._calls):
             replay()
             call()
-        replays[-1]()
+        self._replays[-1]()
 
     def break_inputs(self) -> list[tuple[tuple, dict]]:
         """(args, kwargs) of each break, for the debug address check."""
@@ -205,7 +215,7 @@ class BreakableCapture:
         self.graph: BreakableGraph | None = None
 
     def _begin_segment(self) -> None:
-        graph = self.graph_factory()
+        graph = getattr(self.graph_factory, "kept", self.graph_factory)()
         graph.capture_begin(pool=self.pool)
         self._open = graph
         self._segments.append(graph)
@@ -236,7 +246,7 @@ class BreakableCapture:
                 raise  # otherwise the original error is the one worth seeing
             return
         if exc_type is None:
-            self.graph = BreakableGraph(self._segments, self._breaks, layer_loop(self._segments, self._breaks))
+            self.graph = BreakableGraph(self._segments, self._breaks, native_step_graph(self._segments, self._breaks))
 
     def run_break(self, op: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """End the segment, run `op` eagerly, check it wrote into `out`, record it, resume."""

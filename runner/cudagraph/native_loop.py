@@ -1,24 +1,30 @@
-"""The PIECEWISE layer loop in C: segment replays and the step's attention relaunches, no interpreter.
+"""A PIECEWISE replay as one CUDA graph: the segments as child graphs, the attention as kernel nodes
+re-parameterised for each step.
 
 Why: a PIECEWISE replay of a 30-layer model is, per layer, one graph-segment replay and one eager
-attention launch. From Python each pair costs ~10-15 µs of host time (two C-extension calls, a
-forward-context lookup, Triton's argument parsing), more than the GPU spends on a decode layer of a
-small model, so the GPU waits for the host. Once the step's first attention launch is bound
-(`unified_attention.StepAttention`), every later layer differs only in three pointers (q, its KV
-cache, out): a loop in C does `cuGraphLaunch(segment)` + `cuLaunchKernelEx(attention)` per layer,
-~3-4 µs of driver time, and the host runs ahead of the GPU again.
+attention launch. From Python each pair costs ~10-15 µs of host time, and even from C a
+`cuGraphLaunch` plus a `cuLaunchKernelEx` per layer measured ~8 µs (H100 host, session 7): more than
+the GPU spends on a decode layer of a small model, so the GPU waits for the host. The attention of
+a step differs between layers only in three pointers (q, its KV cache, out), and between steps only
+in the grid and a few scalars (token and request counts, the split count), which a decode step at a
+steady batch keeps. So the segments (captured as before, kept as graphs) and one kernel node per
+attention make one graph; a step whose attention launch equals the one the nodes hold launches it
+with one driver call, and a step that differs first re-parameterises the nodes
+(`cuGraphExecKernelNodeSetParams`, function included). The attention still reads the CURRENT step's
+metadata and still handles any batch composition: its launch is planned from this step's forward
+context (unified_attention.StepAttention), as an eager launch would be.
 
 Pieces:
 - the step's attention launch in driver form comes from attention/kernels/driver_launch.py;
 - `library()`: a small C file compiled once with the system C compiler against the `cuda.h` that
   ships with Triton (as Triton builds its own launchers), cached by source hash, loaded with
   ctypes; None (logged once, with why) where there is no CUDA driver, compiler or header;
-- `LayerLoop`: one BreakableGraph's segments (their `cudaGraphExec_t`) and each break's patched
-  pointers, prepared at capture; `run(launch, stream)` replays the graph from its second segment on.
+- `StepGraph`: one BreakableGraph's graph, built at its first replay that offers a launch in driver
+  form; `run(launch, stream)` updates it when needed and launches it.
 
-What the C loop skips of `torch.cuda.CUDAGraph.replay`: the per-replay RNG prologue (model segments
-draw no random numbers; sampling runs outside the graphs). GRAPHRUNNER_NATIVE_LOOP=0 (read at
-import) keeps the Python loop.
+What this skips of `torch.cuda.CUDAGraph.replay`: the per-replay RNG prologue (model segments draw
+no random numbers; sampling runs outside the graphs). The kernel nodes carry no PDL attribute (the
+kernel's wait is then a no-op). GRAPHRUNNER_NATIVE_LOOP=0 (read at import) keeps the Python loop.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -43,59 +50,102 @@ ENABLED = os.environ.get("GRAPHRUNNER_NATIVE_LOOP", "1") != "0"
 _SOURCE = r"""
 #include <dlfcn.h>
 #include <stdint.h>
+#include <string.h>
 #include "cuda.h"
 
-typedef CUresult (*launch_ex_t)(const CUlaunchConfig*, CUfunction, void**, void**);
+typedef CUresult (*graph_create_t)(CUgraph*, unsigned int);
+typedef CUresult (*add_child_t)(CUgraphNode*, CUgraph, const CUgraphNode*, size_t, CUgraph);
+typedef CUresult (*add_kernel_t)(CUgraphNode*, CUgraph, const CUgraphNode*, size_t, const CUDA_KERNEL_NODE_PARAMS_v2*);
+typedef CUresult (*instantiate_t)(CUgraphExec*, CUgraph, unsigned long long);
+typedef CUresult (*exec_set_t)(CUgraphExec, CUgraphNode, const CUDA_KERNEL_NODE_PARAMS_v2*);
+typedef CUresult (*exec_destroy_t)(CUgraphExec);
+typedef CUresult (*graph_destroy_t)(CUgraph);
 typedef CUresult (*graph_launch_t)(CUgraphExec, CUstream);
-static launch_ex_t launch_ex;
+static graph_create_t graph_create;
+static add_child_t add_child;
+static add_kernel_t add_kernel;
+static instantiate_t instantiate;
+static exec_set_t exec_set;
+static exec_destroy_t exec_destroy;
+static graph_destroy_t graph_destroy;
 static graph_launch_t graph_launch;
 
 /* 0 when libcuda's entry points are found. */
 int gr_init(void) {
   void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
   if (!lib) return 1;
-  launch_ex = (launch_ex_t)dlsym(lib, "cuLaunchKernelEx");
+  graph_create = (graph_create_t)dlsym(lib, "cuGraphCreate");
+  add_child = (add_child_t)dlsym(lib, "cuGraphAddChildGraphNode");
+  add_kernel = (add_kernel_t)dlsym(lib, "cuGraphAddKernelNode_v2");
+  instantiate = (instantiate_t)dlsym(lib, "cuGraphInstantiateWithFlags");
+  exec_set = (exec_set_t)dlsym(lib, "cuGraphExecKernelNodeSetParams_v2");
+  exec_destroy = (exec_destroy_t)dlsym(lib, "cuGraphExecDestroy");
+  graph_destroy = (graph_destroy_t)dlsym(lib, "cuGraphDestroy");
   graph_launch = (graph_launch_t)dlsym(lib, "cuGraphLaunch");
-  return (launch_ex && graph_launch) ? 0 : 2;
+  return (graph_create && add_child && add_kernel && instantiate && exec_set && exec_destroy && graph_destroy
+          && graph_launch) ? 0 : 2;
 }
 
-/* graphs[0], kernel(values[0..p)), graphs[1], kernel(values[p..2p)), ..., graphs[n] on `stream`:
-   before launch i the first p parameter slots get layer i's values (the driver copies the
-   parameters at launch, so overwriting them for the next layer is safe). config: grid x, y, z,
-   threads per block, shared bytes, PDL, cooperative. Returns 0, or (position << 16) | CUresult
-   of the first failure (position: 2i+1 graph i, 2i+2 kernel i). */
-int gr_layer_loop(int n, const uint64_t* graphs, uint64_t stream, uint64_t function,
-                  const uint32_t* config, void** params, uint64_t* slots, const uint64_t* values, int p) {
-  CUlaunchAttribute attrs[2];
-  CUlaunchConfig cfg;
-  int num_attrs = 0;
-  cfg.gridDimX = config[0]; cfg.gridDimY = config[1]; cfg.gridDimZ = config[2];
-  cfg.blockDimX = config[3]; cfg.blockDimY = 1; cfg.blockDimZ = 1;
-  cfg.sharedMemBytes = config[4];
-  cfg.hStream = (CUstream)stream;
-  if (config[5]) {
-    attrs[num_attrs].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attrs[num_attrs].value.programmaticStreamSerializationAllowed = 1;
-    ++num_attrs;
+/* Kernel i's node parameters: config = grid x, y, z, threads per block, shared bytes; the first p
+   parameter slots get layer i's values (the driver copies the parameters when it takes them). */
+static void node_params(CUDA_KERNEL_NODE_PARAMS_v2* kp, uint64_t function, const uint32_t* config, void** params,
+                        uint64_t* slots, const uint64_t* values, int p, int i) {
+  for (int k = 0; k < p; ++k) slots[k] = values[i * p + k];
+  memset(kp, 0, sizeof *kp);
+  kp->func = (CUfunction)function;
+  kp->gridDimX = config[0]; kp->gridDimY = config[1]; kp->gridDimZ = config[2];
+  kp->blockDimX = config[3]; kp->blockDimY = 1; kp->blockDimZ = 1;
+  kp->sharedMemBytes = config[4];
+  kp->kernelParams = params;
+}
+
+/* One graph: child graph 0, kernel 0, child graph 1, ..., child graph n, in a chain; instantiated.
+   out: [0] the executable, [1] the graph, [2 + i] kernel i's node. Returns 0, or
+   (step << 16) | CUresult of the first failure. */
+int gr_step_graph(int n, const uint64_t* graphs, uint64_t function, const uint32_t* config, void** params,
+                  uint64_t* slots, const uint64_t* values, int p, uint64_t* out) {
+  CUgraph graph;
+  CUgraphNode prev, node;
+  CUgraphExec exec;
+  CUDA_KERNEL_NODE_PARAMS_v2 kp;
+  CUresult r = graph_create(&graph, 0);
+  if (r != CUDA_SUCCESS) return (1 << 16) | (int)r;
+  r = add_child(&prev, graph, NULL, 0, (CUgraph)graphs[0]);
+  for (int i = 0; i < n && r == CUDA_SUCCESS; ++i) {
+    node_params(&kp, function, config, params, slots, values, p, i);
+    r = add_kernel(&node, graph, &prev, 1, &kp);
+    if (r != CUDA_SUCCESS) break;
+    out[2 + i] = (uint64_t)node;
+    r = add_child(&prev, graph, &node, 1, (CUgraph)graphs[i + 1]);
   }
-  if (config[6]) {
-    attrs[num_attrs].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
-    attrs[num_attrs].value.cooperative = 1;
-    ++num_attrs;
-  }
-  cfg.attrs = attrs;
-  cfg.numAttrs = num_attrs;
+  if (r != CUDA_SUCCESS) { graph_destroy(graph); return (2 << 16) | (int)r; }
+  r = instantiate(&exec, graph, 0);
+  if (r != CUDA_SUCCESS) { graph_destroy(graph); return (3 << 16) | (int)r; }
+  out[0] = (uint64_t)exec;
+  out[1] = (uint64_t)graph;
+  return 0;
+}
+
+/* Every kernel node of an instantiated step graph gets this launch (function, grid, parameters). */
+int gr_step_update(const uint64_t* handles, int n, uint64_t function, const uint32_t* config, void** params,
+                   uint64_t* slots, const uint64_t* values, int p) {
+  CUDA_KERNEL_NODE_PARAMS_v2 kp;
   for (int i = 0; i < n; ++i) {
-    CUresult r = graph_launch((CUgraphExec)graphs[i], (CUstream)stream);
-    if (r != CUDA_SUCCESS) return ((2 * i + 1) << 16) | (int)r;
-    for (int k = 0; k < p; ++k) slots[k] = values[i * p + k];
-    if (config[0] * config[1] * config[2] > 0) {
-      r = launch_ex(&cfg, (CUfunction)function, params, 0);
-      if (r != CUDA_SUCCESS) return ((2 * i + 2) << 16) | (int)r;
-    }
+    node_params(&kp, function, config, params, slots, values, p, i);
+    CUresult r = exec_set((CUgraphExec)handles[0], (CUgraphNode)handles[2 + i], &kp);
+    if (r != CUDA_SUCCESS) return (4 << 16) | (int)r;
   }
-  CUresult r = graph_launch((CUgraphExec)graphs[n], (CUstream)stream);
-  return r == CUDA_SUCCESS ? 0 : ((2 * n + 1) << 16) | (int)r;
+  return 0;
+}
+
+int gr_step_launch(uint64_t exec, uint64_t stream) {
+  CUresult r = graph_launch((CUgraphExec)exec, (CUstream)stream);
+  return r == CUDA_SUCCESS ? 0 : (5 << 16) | (int)r;
+}
+
+void gr_step_destroy(uint64_t exec, uint64_t graph) {
+  exec_destroy((CUgraphExec)exec);
+  graph_destroy((CUgraph)graph);
 }
 """
 
@@ -122,12 +172,12 @@ def build(include: Path, cc: str, out_dir: Path | None = None) -> Path:
     """Compile the loop into a shared library (once per source and header: cached by their hash)."""
     digest = hashlib.sha256(_SOURCE.encode() + (include / "cuda.h").read_bytes()).hexdigest()[:16]
     out_dir = out_dir or cache_dir()
-    target = out_dir / f"layer_loop_{digest}.so"
+    target = out_dir / f"step_graph_{digest}.so"
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        source = Path(tmp) / "layer_loop.c"
+        source = Path(tmp) / "step_graph.c"
         source.write_text(_SOURCE)
         built = Path(tmp) / target.name
         subprocess.run([cc, "-O2", "-shared", "-fPIC", "-I", str(include), str(source), "-o", str(built), "-ldl"],
@@ -159,61 +209,93 @@ def library() -> Any | None:
     if lib.gr_init() != 0:
         logger.info("PIECEWISE layer loop stays in Python: no CUDA driver (libcuda.so.1)")
         return None
-    u64p, vp = ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p
-    lib.gr_layer_loop.argtypes = [ctypes.c_int, u64p, ctypes.c_uint64, ctypes.c_uint64,
-                                  ctypes.POINTER(ctypes.c_uint32), vp, u64p, u64p, ctypes.c_int]
-    lib.gr_layer_loop.restype = ctypes.c_int
+    u64, u64p, u32p, vp, i = (ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32),
+                              ctypes.c_void_p, ctypes.c_int)
+    lib.gr_step_graph.argtypes = [i, u64p, u64, u32p, vp, u64p, u64p, i, u64p]
+    lib.gr_step_update.argtypes = [u64p, i, u64, u32p, vp, u64p, u64p, i]
+    lib.gr_step_launch.argtypes = [u64, u64]
+    lib.gr_step_destroy.argtypes = [u64, u64]
+    for name in ("gr_step_graph", "gr_step_update", "gr_step_launch"):
+        getattr(lib, name).restype = i
+    lib.gr_step_destroy.restype = None
     _library = lib
     return lib
 
 
-def graph_exec(segment: Any) -> int | None:
-    """A captured torch.cuda.CUDAGraph's `cudaGraphExec_t`, or None (a fake, or a torch without
-    `raw_cuda_graph_exec`)."""
-    raw = getattr(segment, "raw_cuda_graph_exec", None)
+def kept_graph(segment: Any) -> int | None:
+    """A captured torch.cuda.CUDAGraph's `cudaGraph_t` (kept: `keep_graph=True`), or None (a fake, a
+    graph not kept, or a torch without `raw_cuda_graph`)."""
+    raw = getattr(segment, "raw_cuda_graph", None)
     if raw is None:
         return None
     try:
-        return int(raw())
+        return int(raw()) or None
     except (RuntimeError, TypeError):
         return None
 
 
-class LayerLoop:
-    """A BreakableGraph replayed from its second segment on in C, given the step's bound launch:
-    segments[1..n] and, between them, the launch with breaks[1..n-1]'s patched arguments.
-    `run_loop` is the C function (or a fake with its signature, in tests)."""
+_FAILED_AT = {1: "creating the step graph", 2: "adding its nodes", 3: "instantiating it",
+              4: "updating its attention nodes", 5: "launching it"}
 
-    def __init__(self, execs: Sequence[int], patched: Sequence[Sequence[int]], run_loop: Any) -> None:
-        if len(execs) != len(patched) + 1 or any(len(p) != PATCHED_ARGS for p in patched):
-            raise ValueError(f"{len(execs)} segments for {len(patched)} patched launches")
+
+def _check(status: int) -> None:
+    if status:
+        where, code = status >> 16, status & 0xFFFF
+        raise RuntimeError(f"PIECEWISE step graph: the CUDA driver failed {_FAILED_AT.get(where, where)} "
+                           f"(CUresult {code})")
+
+
+class StepGraph:
+    """One BreakableGraph's segments and attention launches as ONE CUDA graph: child graph 0,
+    attention 0, child graph 1, ..., child graph n, built at the first step that offers a launch in
+    driver form. `run(launch, stream)` re-parameterises the attention nodes only when the step's
+    launch differs from the one they hold (function, grid or any parameter: a decode step at the
+    same batch size and split count leaves them as they are) and launches the graph: one driver
+    call for the whole forward instead of a replay and a launch per layer. `functions` is the C
+    library (or a fake with its functions, in tests)."""
+
+    def __init__(self, graphs: Sequence[int], patched: Sequence[Sequence[int]], functions: Any) -> None:
+        if len(graphs) != len(patched) + 1 or any(len(p) != PATCHED_ARGS for p in patched):
+            raise ValueError(f"{len(graphs)} segments for {len(patched)} attention launches")
         self.count = len(patched)
-        self.execs = (ctypes.c_uint64 * len(execs))(*execs)
-        self.values = (ctypes.c_uint64 * (PATCHED_ARGS * max(1, len(patched))))(*(v for p in patched for v in p))
-        self.run_loop = run_loop
+        self.graphs = (ctypes.c_uint64 * len(graphs))(*graphs)
+        self.values = (ctypes.c_uint64 * (PATCHED_ARGS * len(patched)))(*(v for p in patched for v in p))
+        self.handles = (ctypes.c_uint64 * (2 + len(patched)))()
+        """After the build: the executable, the graph, then each attention node."""
+        self.functions = functions
+        self._applied: tuple | None = None
         self.runs = 0
-        """Replays that took the loop (for tests and benchmarks)."""
+        """Replays launched as the step graph (for tests and benchmarks)."""
+        self.updates = 0
+        """Replays that had to re-parameterise the attention nodes first."""
 
     def run(self, launch: KernelLaunch, stream: int) -> None:
-        status = self.run_loop(self.count, self.execs, stream, launch.function, launch.config,
-                               ctypes.addressof(launch.params), launch.blob, self.values, PATCHED_ARGS)
-        if status:
-            position, code = status >> 16, status & 0xFFFF
-            what = f"segment {position // 2 + 1}" if position % 2 else f"the attention launch of break {position // 2}"
-            raise RuntimeError(f"PIECEWISE layer loop: the driver refused {what} (CUresult {code})")
+        config = launch.config
+        state = (launch.function, config[0], config[1], config[2], bytes(launch.blob))
+        f = self.functions
+        if self._applied is None:
+            _check(f.gr_step_graph(self.count, self.graphs, launch.function, config, ctypes.addressof(launch.params),
+                                   launch.blob, self.values, PATCHED_ARGS, self.handles))
+            weakref.finalize(self, f.gr_step_destroy, int(self.handles[0]), int(self.handles[1]))
+        elif state != self._applied:
+            _check(f.gr_step_update(self.handles, self.count, launch.function, config,
+                                    ctypes.addressof(launch.params), launch.blob, self.values, PATCHED_ARGS))
+            self.updates += 1
+        self._applied = state
+        _check(f.gr_step_launch(self.handles[0], stream))
         self.runs += 1
 
 
-def layer_loop(segments: Sequence[Any], patched: Sequence[Sequence[int]]) -> LayerLoop | None:
-    """A LayerLoop over `segments` (all but the first, which Python replays before the first break
-    binds the step's launch) and the patched arguments of breaks 1..n-1, or None where the loop
-    cannot run (disabled, no library, a segment without an exec handle)."""
+def step_graph(segments: Sequence[Any], patched: Sequence[Sequence[int]]) -> StepGraph | None:
+    """A StepGraph over `segments` and the attention launches between them (`patched`: each
+    break's q, KV cache and out addresses), or None where it cannot run (disabled, a segment not
+    kept as a graph, no library)."""
     if not ENABLED or len(segments) < 2:
         return None
-    execs = [graph_exec(segment) for segment in segments[1:]]
-    if any(e is None for e in execs):
+    graphs = [kept_graph(segment) for segment in segments]
+    if any(g is None for g in graphs):
         return None
     lib = library()
     if lib is None:
         return None
-    return LayerLoop(execs, patched, lib.gr_layer_loop)
+    return StepGraph(graphs, patched, lib)

@@ -103,9 +103,9 @@ class CUDAGraphWrapper:
         return len(self._entries)
 
     @property
-    def layer_loop_runs(self) -> int:
-        """PIECEWISE replays whose layers after the first ran in C (runner/cudagraph/native_loop.py)."""
-        return sum(e.graph.loop[0].runs for e in self._entries.values() if getattr(e.graph, "loop", None))
+    def step_graph_runs(self) -> int:
+        """PIECEWISE replays launched as one step graph (runner/cudagraph/native_loop.py)."""
+        return sum(e.graph.step_graph[0].runs for e in self._entries.values() if getattr(e.graph, "step_graph", None))
 
     def captured_descriptors(self) -> list[BatchDescriptor]:
         return list(self._entries)
