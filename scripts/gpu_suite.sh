@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything a GPU session checks, in one call on the device machine:
-#   bash scripts/gpu_suite.sh [tests|bench|pp|goals|compare|s7|all]      (default: all = tests + bench)
+#   bash scripts/gpu_suite.sh [tests|bench|pp|goals|compare|s7|s7b|all]      (default: all = tests + bench)
 # tests:   the `cuda`-marked tests plus the Triton kernel tests compiled for the GPU;
 # bench:   attention bandwidth, decode latency per graph mode vs HF and the memory floor, offline
 #          throughput, address-check cost;
@@ -9,7 +9,8 @@
 #          serving at gpu_memory_utilization 0.95, throughput;
 # compare: FULL decode of SmolLM2 / Llama-3.2-1B with PDL off, on, and (OLD_TREE=dir, a checkout of an
 #          earlier commit) that code, in one run; FULL profiles.
-# s7:      session 7's run (the PIECEWISE layer loop in C); docs/PERFORMANCE.md §S7.
+# s7, s7b: session 7's runs (the PIECEWISE step graph: GPU tests; replay variants, decode, capture);
+#          docs/PERFORMANCE.md §S7.
 # The stages of earlier sessions (probe, s3*, s4*, s5*, s6*, ...) live in the commits docs/PERFORMANCE.md
 # names for each run.
 # Logs go to $OUT/suite.log, figures to $OUT/*.json and $OUT/*.png; a short table comes last.
@@ -82,14 +83,18 @@ if [[ $STAGE == compare ]]; then  # session 5's s5check without its tests: a cha
   step profile-full 60 python3 scripts/profile_step.py --mode FULL --batch-size 1 --host-profile
   step profile-1b 60 python3 scripts/profile_step.py --shape llama-3.2-1b --mode FULL --batch-size 1
 fi
-if [[ $STAGE == s7 ]]; then  # session 7: the PIECEWISE layer loop in C: its GPU tests, the replay variants in one
-  # process at bs 1 and 32, PIECEWISE vs FULL at bs 1-128 (twice; with OLD_TREE's code when given)
-  step loop-tests 240 python3 -m pytest -q -p no:cacheprovider -m cuda -rA tests/test_triton_gpu.py \
-    tests/test_engine_cuda.py -k "layer_loop or step_attention or graph_modes"
-  step break-replay 120 python3 scripts/bench_break_replay.py --blocks 5 --steps 40
-  step break-replay-bs32 120 python3 scripts/bench_break_replay.py --batch-size 32 --blocks 5 --steps 40
+if [[ $STAGE == s7 ]]; then  # session 7: every GPU test with the PIECEWISE step graph (~5 min)
+  step cuda-tests 330 python3 -m pytest -q -p no:cacheprovider -m cuda -rA -s tests --deselect tests/test_pipeline.py
+  step triton-gpu 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
+fi
+if [[ $STAGE == s7b ]]; then  # session 7: the replay variants in one process at bs 1 and 32; PIECEWISE vs FULL at
+  # bs 1-128 twice (with OLD_TREE's code when given); cold capture of the default sizes (the goal < 10 s)
+  step break-replay 100 python3 scripts/bench_break_replay.py --blocks 4 --steps 40
+  step break-replay-bs32 100 python3 scripts/bench_break_replay.py --batch-size 32 --blocks 4 --steps 40
   small=(--shapes smollm2-135m --modes FULL PIECEWISE --batch-sizes 1 8 32 128 --warmup 3 --steps 20 --no-hf --no-plot)
   decode_against_old_tree "${small[@]}"
+  step capture 150 python3 scripts/bench_capture.py --cold --modes FULL_AND_PIECEWISE FULL_AND_PIECEWISE PIECEWISE \
+    --json "$OUT/capture.json"
 fi
 echo
 echo "| step         | result | time  |"
