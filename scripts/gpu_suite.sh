@@ -88,13 +88,13 @@ if [[ $STAGE == s7 ]]; then  # session 7: every GPU test with the PIECEWISE step
   step triton-gpu 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
 fi
 if [[ $STAGE == s7b ]]; then  # session 7: the replay variants in one process at bs 1 and 32; PIECEWISE vs FULL at
-  # bs 1-128 twice (with OLD_TREE's code when given); cold capture of the default sizes (the goal < 10 s)
+  # bs 1-128 twice (with OLD_TREE's code when given); cold capture of the default sizes (the goal < 10 s), serving at 0.95
   step break-replay 100 python3 scripts/bench_break_replay.py --blocks 4 --steps 40
   step break-replay-bs32 100 python3 scripts/bench_break_replay.py --batch-size 32 --blocks 4 --steps 40
   small=(--shapes smollm2-135m --modes FULL PIECEWISE --batch-sizes 1 8 32 128 --warmup 3 --steps 20 --no-hf --no-plot)
   decode_against_old_tree "${small[@]}"
   step capture 150 python3 scripts/bench_capture.py --cold --modes FULL_AND_PIECEWISE FULL_AND_PIECEWISE PIECEWISE \
-    --json "$OUT/capture.json"
+    --gpu-memory-utilization 0.95 --serve 256 --json "$OUT/capture.json"
 fi
 echo
 echo "| step         | result | time  |"
