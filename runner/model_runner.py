@@ -189,8 +189,8 @@ class ModelRunner:
     # ---- CUDA graphs -----------------------------------------------------------------------
     def _dummy_batch(self, desc: BatchDescriptor) -> tuple[list[list[int]], int]:
         """Inert requests of the descriptor's shape (every slot -1: capture never writes the cache)."""
-        if desc.uniform_decode:
-            return [[0]] * desc.num_tokens, desc.num_reqs
+        if desc.uniform_decode:   # one request per token (a PIECEWISE key's canonical num_reqs is 0)
+            return [[0]] * desc.num_tokens, desc.num_tokens
         per_req = self.max_model_len
         num_reqs = max(desc.num_reqs, -(-desc.num_tokens // per_req))
         lens = [1] * (num_reqs - 1)

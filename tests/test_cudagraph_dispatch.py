@@ -90,8 +90,10 @@ def test_keys_per_mode():
     assert set(d.keys(FULL)) == {BD(n, n, True) for n in (1, 2, 4, 8)} | {BD(n, min(n, 10), False) for n in SIZES}
     d = CudagraphDispatcher(FDO, SIZES, max_num_seqs=64)
     assert d.keys(FULL) == [BD(n, n, True) for n in reversed(SIZES)] and d.keys(PW) == []
-    d = CudagraphDispatcher(PW, SIZES, max_num_seqs=64)
-    assert d.keys(FULL) == [] and len(d.keys(PW)) == len(SIZES)
+    d = CudagraphDispatcher(PW, SIZES, max_num_seqs=64)   # mode PIECEWISE: decode steps get graphs with the head
+    assert d.keys(FULL) == [] and set(d.keys(PW)) == {BD(n, 0, u) for n in SIZES for u in (False, True)}
+    d = CudagraphDispatcher(PW, SIZES, max_num_seqs=10)
+    assert set(d.keys(PW)) == {BD(n, 0, False) for n in SIZES} | {BD(n, 0, True) for n in (1, 2, 4, 8)}
     d = CudagraphDispatcher(NONE, SIZES, max_num_seqs=64)
     assert d.all_keys_to_capture() == [] and d.padded_sizes == [0]
 
@@ -153,9 +155,14 @@ def test_dispatch_full_mode_pads_requests():
     assert d.dispatch(2, 2, True) == (FULL, BD(2, 2, True))
 
 
-def test_dispatch_piecewise_ignores_uniformity():
+def test_dispatch_piecewise_ignores_request_counts_and_keeps_decode_steps_apart():
+    """Mode PIECEWISE: one graph per size serves every mixed batch; a uniform-decode batch gets the
+    size's decode graph (it also computes the decode head), or the mixed one past max_num_seqs."""
     d = _ready(PW)
-    assert d.dispatch(3, 3, True) == d.dispatch(3, 1, False) == (PW, BD(4, 0, False))
+    assert d.dispatch(3, 1, False) == d.dispatch(3, 2, False) == (PW, BD(4, 0, False))
+    assert d.dispatch(3, 3, True) == (PW, BD(4, 0, True))
+    assert _ready(PW, max_num_seqs=6).dispatch(6, 6, True) == (PW, BD(8, 0, False))
+    assert _ready(FAP).dispatch(3, 1, False) == (PW, BD(4, 0, False))   # FULL serves FAP's decode steps
 
 
 def test_dispatch_none_mode():
@@ -183,7 +190,8 @@ def test_dispatch_invariants(mode, sizes, max_num_seqs, num_tokens, data):
     assert runtime in (FULL, PW) and key in d.keys(runtime)
     assert key.num_tokens == min(s for s in sizes if s >= num_tokens)  # smallest fitting size
     if runtime == PW:
-        assert key == BD(key.num_tokens, 0, False) and PW in (mode.decode_mode(), mode.mixed_mode())
+        assert key.num_reqs == 0 and PW in (mode.decode_mode(), mode.mixed_mode())
+        assert key.uniform_decode == (uniform and mode.decode_mode() == PW and key.num_tokens <= max_num_seqs)
     else:
         assert num_reqs <= key.num_reqs <= min(key.num_tokens, max_num_seqs)
         assert key.uniform_decode == (key.num_reqs == key.num_tokens and uniform)

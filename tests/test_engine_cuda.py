@@ -62,7 +62,8 @@ def _mixed_step_tokens(llm, mixed):
     return [done["m0"], done["m1"], done["m2"]]
 
 
-EXPECTED_GRAPHS = {"NONE": 0, "PIECEWISE": 7, "FULL": 14, "FULL_AND_PIECEWISE": 14, "FULL_DECODE_ONLY": 7}
+EXPECTED_GRAPHS = {"NONE": 0, "PIECEWISE": 14, "FULL": 14, "FULL_AND_PIECEWISE": 14, "FULL_DECODE_ONLY": 7}
+"""PIECEWISE: a mixed and a decode graph per size (all SIZES <= max_num_seqs)."""
 
 
 @pytest.mark.parametrize("mode", ["NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"])

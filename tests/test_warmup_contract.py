@@ -68,7 +68,7 @@ def runner_factory(tmp_path, monkeypatch):
 @pytest.mark.parametrize("mode, expected_graphs", [
     ("FULL_AND_PIECEWISE", 4 + 4),   # FULL uniform-decode keys 1,2,4,8 and PIECEWISE keys 1,2,4,8
     ("FULL", 4 + 4),                 # FULL uniform-decode and FULL mixed keys
-    ("PIECEWISE", 4),
+    ("PIECEWISE", 4 + 4),            # PIECEWISE mixed keys and, mode PIECEWISE only, decode keys (with the head)
     ("FULL_DECODE_ONLY", 4),
 ])
 def test_profile_run_skips_capture_then_capture_sets_ready(runner_factory, caplog, mode, expected_graphs):
