@@ -38,7 +38,7 @@ ARGS = (0x1000, 0x2000, 0x3000, 0.125, -7, 64, 1 << 40, 1, 1.5, 3)
 def test_driver_form_lays_out_every_non_constexpr_argument_in_an_8_byte_slot():
     launch = kernel_launch(fake_kernel(), (5, 2), ARGS)
     assert launch is not None and launch.function == 0xF00D
-    assert list(launch.config) == [5, 2, 1, 128, 2048, 1, 0, 0]    # grid, 32 * warps, shared, PDL, not cooperative
+    assert list(launch.config) == [5, 2, 1, 128, 2048]    # grid, 32 * warps, shared bytes
     raw = bytes(launch.blob)
     slots = [raw[8 * i:8 * i + 8] for i in range(len(launch.blob))]
     assert len(slots) == 9 + 2                   # 9 parameters (BLOCK is a constexpr) + two scratch pointers
@@ -64,6 +64,7 @@ def test_driver_form_is_worked_out_once_per_kernel_and_rebound_per_launch():
 
 @pytest.mark.parametrize("change, why", [
     (dict(num_ctas=2), "cluster"),
+    (dict(launch_cooperative_grid=True), "cooperative"),
     (dict(global_scratch_size=16), "scratch"),
     (dict(profile_scratch_size=8), "scratch"),
     (dict(tensordesc_meta=[{}]), "descriptor"),

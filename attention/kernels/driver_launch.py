@@ -1,13 +1,13 @@
 """A Triton kernel launch in driver form: what `cuLaunchKernelEx` takes, for launching from C.
 
-Why: the PIECEWISE layer loop (runner/cudagraph/native_loop.py) relaunches the step's attention
-kernel once per layer from C, with three pointers changed. It needs the launch the way Triton's own
-launcher makes it: the CUfunction; grid, 32 * num_warps threads, shared bytes, the PDL and cooperative
-attributes; and the kernel-parameter buffer, every non-constexpr argument in signature order
+Why: the PIECEWISE step graph (runner/cudagraph/native_loop.py) holds the step's attention launch
+as one kernel node per layer, three pointers changed between them. It needs the launch the way
+Triton's own launcher makes it: the CUfunction; grid, 32 * num_warps threads, shared bytes; and the
+kernel-parameter buffer, every non-constexpr argument in signature order
 (pointers as 64-bit addresses, integers at their width, floats as their bit patterns), then the
 global and profile scratch pointers (0: a kernel that needs scratch is refused). Anything this
-module does not know to lay out the same way (clusters, tensor descriptors, bf16 scalars, tuples)
-gets None, and the caller keeps Triton's launcher. Pure Python: tested on a CPU with fake kernels;
+module does not know to lay out the same way (clusters, cooperative launches, tensor descriptors,
+bf16 scalars, tuples) gets None, and the caller keeps Triton's launcher. Pure Python: tested on a CPU with fake kernels;
 a GPU test checks it against Triton's launch bit for bit.
 """
 
@@ -36,14 +36,13 @@ missing on purpose (struct has no bf16: such a kernel keeps Triton's launcher)."
 class KernelLaunch:
     """One Triton kernel in driver form, reused for every launch of it: `blob` holds the parameters
     (8-byte slots), `params` the address of each slot, `config` the grid x, y, z, threads per block,
-    shared bytes, PDL, cooperative. `bind(grid, args)` sets one launch's grid and parameters; the
-    first PATCHED_ARGS slots are what a `LayerLoop` overwrites per layer. Reusing one buffer is
+    shared bytes. `bind(grid, args)` sets one launch's grid and parameters; the first PATCHED_ARGS
+    slots are what the step graph overwrites per layer. Reusing one buffer is
     safe because the driver copies the parameters when the launch is issued."""
 
-    def __init__(self, function: int, threads: int, shared: int, pdl: bool, cooperative: bool,
-                 formats: str, indices: Sequence[int]) -> None:
+    def __init__(self, function: int, threads: int, shared: int, formats: str, indices: Sequence[int]) -> None:
         self.function = function
-        self.config = (ctypes.c_uint32 * 8)(1, 1, 1, threads, shared, int(pdl), int(cooperative), 0)
+        self.config = (ctypes.c_uint32 * 5)(1, 1, 1, threads, shared)
         self.format = "<" + formats
         self.indices = tuple(indices)
         """Positions of the non-constexpr arguments (what the kernel takes, in order)."""
@@ -93,6 +92,8 @@ def _driver_form(kernel: Any, args: Sequence[Any]) -> KernelLaunch | None:
         return _refused("no signature matching the arguments")
     if getattr(metadata, "num_ctas", 1) != 1:
         return _refused("a cluster launch (num_ctas != 1)")
+    if getattr(metadata, "launch_cooperative_grid", False):
+        return _refused("a cooperative launch")
     if getattr(metadata, "global_scratch_size", 0) or getattr(metadata, "profile_scratch_size", 0):
         return _refused("the kernel needs per-launch scratch")
     if getattr(metadata, "tensordesc_meta", None):
@@ -109,11 +110,9 @@ def _driver_form(kernel: Any, args: Sequence[Any]) -> KernelLaunch | None:
         indices.append(i)
     if indices[:PATCHED_ARGS] != list(range(PATCHED_ARGS)) or any(not k.startswith("*") for k in kinds[:PATCHED_ARGS]):
         return _refused("the first three parameters are not pointers")
-    return KernelLaunch(int(kernel.function), 32 * metadata.num_warps, metadata.shared,
-                        bool(getattr(metadata, "launch_pdl", False)),
-                        bool(getattr(metadata, "launch_cooperative_grid", False)), "".join(formats), indices)
+    return KernelLaunch(int(kernel.function), 32 * metadata.num_warps, metadata.shared, "".join(formats), indices)
 
 
 def _refused(why: str) -> None:
-    logger.debug("native layer loop: launch not in driver form: %s", why)
+    logger.debug("PIECEWISE step graph: launch not in driver form: %s", why)
     return None

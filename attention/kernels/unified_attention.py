@@ -520,9 +520,9 @@ class StepAttention:
 
     def native_launch(self, key: tuple) -> tuple[KernelLaunch, int] | None:
         """The bound launch in driver form with this step's grid and arguments, and its stream, for
-        layers whose `layer_key` is `key` (the PIECEWISE layer loop in C, runner/cudagraph/native_loop.py,
-        the step graph's nodes), or None: nothing bound, another key, or a
-        launch without a driver form (attention/kernels/driver_launch.py). Worked out once per step."""
+        layers whose `layer_key` is `key` (the PIECEWISE step graph's attention nodes,
+        runner/cudagraph/native_loop.py), or None: nothing bound, another key, or a launch without
+        a driver form (attention/kernels/driver_launch.py). Worked out once per step."""
         if self._kernel is None or not (key is self._key or key == self._key):
             return None
         if self._native is None:

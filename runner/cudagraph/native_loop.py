@@ -198,16 +198,16 @@ def library() -> Any | None:
     _library_tried = True
     include, cc = cuda_header_dir(), compiler()
     if include is None or cc is None:
-        logger.info("PIECEWISE layer loop stays in Python: %s", "no cuda.h from Triton" if include is None else "no C compiler")
+        logger.info("PIECEWISE replays stay in Python: %s", "no cuda.h from Triton" if include is None else "no C compiler")
         return None
     try:
         lib = ctypes.CDLL(str(build(include, cc)))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        logger.warning("PIECEWISE layer loop stays in Python: building it failed: %s", detail)
+        logger.warning("PIECEWISE replays stay in Python: building it failed: %s", detail)
         return None
     if lib.gr_init() != 0:
-        logger.info("PIECEWISE layer loop stays in Python: no CUDA driver (libcuda.so.1)")
+        logger.info("PIECEWISE replays stay in Python: no CUDA driver (libcuda.so.1)")
         return None
     u64, u64p, u32p, vp, i = (ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32),
                               ctypes.c_void_p, ctypes.c_int)
