@@ -6,7 +6,7 @@ Four variants alternate in blocks of `--steps` engine steps (the device host's s
 before/after across runs measures the host, not the change); the median step time of each is
 printed with the host time spent inside the PIECEWISE replay call per step (launching, not the GPU's
 work), the replays launched as step graphs, and the per-block figures:
-- "native": as the engine runs: the whole replay as one step graph (runner/cudagraph/native_loop.py:
+- "native": as the engine runs: the whole replay as one step graph (runner/cudagraph/step_graph.py:
   segments as child graphs, attention as kernel nodes re-parameterised when the step's launch differs);
 - "fast": the layer loop in Python (break replays prepared at capture, attention through Triton's C
   launch directly, segments through torch's C++ replay), what session 6 left;

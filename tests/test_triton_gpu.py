@@ -262,13 +262,13 @@ def test_gpu_argmax_equals_torch(rows, vocab):
 
 
 def test_step_graph_equals_unified_attention_per_layer():
-    """The PIECEWISE step graph (runner/cudagraph/native_loop.py) on four layers: five kept segment
+    """The PIECEWISE step graph (runner/cudagraph/step_graph.py) on four layers: five kept segment
     graphs and four attention nodes in one CUDA graph, over two steps: contexts (40, 20, 7), then
     (3000, 1500, 7), whose launch differs (split KV), so the nodes are re-parameterised. Segment i
     copies layer i-1's output: a node out of order or with a wrong parameter shows as a mismatch
     against a full `unified_attention` call per layer."""
     from attention.kernels.unified_attention import StepAttention, interned_layer_key
-    from runner.cudagraph import native_loop
+    from runner.cudagraph import step_graph
 
     b = Batch(num_tokens=4, num_reqs=4, max_blocks=256, num_blocks=1024, block_size=16)
     caches = [torch.randn_like(b.kv_cache, dtype=torch.float32).to(b.kv_cache.dtype) for _ in range(4)]
@@ -286,8 +286,8 @@ def test_step_graph_equals_unified_attention_per_layer():
         graph.instantiate()
         segments.append(graph)
     addresses = [(b.query.data_ptr(), cache.data_ptr(), out.data_ptr()) for cache, out in zip(caches, outs)]
-    step_graph = native_loop.step_graph(segments, addresses)
-    assert step_graph is not None, "the C library did not build or load here"
+    whole = step_graph.make_step_graph(segments, addresses)
+    assert whole is not None, "the C library did not build or load here"
     key = interned_layer_key(b.query, caches[0], outs[0], b.scale)
     for number, contexts in enumerate(([40, 20, 7], [3000, 1500, 7])):
         b.fill([1, 1, 1], contexts, seed=5 + number)
@@ -305,7 +305,7 @@ def test_step_graph_equals_unified_attention_per_layer():
         assert bound is not None, "the attention launch has no driver form"
         for t in outs:
             t.fill_(float("nan"))
-        step_graph.run(*bound)
+        whole.run(*bound)
         torch.cuda.synchronize()
         assert marker.item() == number + 1
         for cache, out, copy in zip(caches, outs, copies):
@@ -313,7 +313,7 @@ def test_step_graph_equals_unified_attention_per_layer():
             unified_attention(b.query, cache, ref, b.query_start_loc, b.seq_lens, b.block_table, b.scale,
                               max_seq_len=max_seq_len)
             assert torch.equal(out, ref) and torch.equal(copy, ref), f"step {number}"
-    assert step_graph.runs == 2 and step_graph.updates == 1
+    assert whole.runs == 2 and whole.updates == 1
 
 
 @pytest.mark.parametrize("context", [40, 3000], ids=["one-split", "splits"])

@@ -66,7 +66,7 @@ class TritonPagedBackend(AttentionBackend):
         return _BreakReplay(self, layer, query, out, kv_cache)
 
     def step_graph_binder(self, replays: list["_BreakReplay"]) -> Callable[[], tuple | None] | None:
-        """For the PIECEWISE step graph (runner/cudagraph/native_loop.py): given one graph's break
+        """For the PIECEWISE step graph (runner/cudagraph/step_graph.py): given one graph's break
         replays (all this backend's), a per-step `bind()` that plans the step's attention launch on
         the first break's recorded tensors WITHOUT launching it (the step graph launches every layer)
         and returns it in driver form with its stream, or None (then the step replays from Python):

@@ -1,6 +1,6 @@
 """A Triton kernel launch in driver form: what `cuLaunchKernelEx` takes, for launching from C.
 
-Why: the PIECEWISE step graph (runner/cudagraph/native_loop.py) holds the step's attention launch
+Why: the PIECEWISE step graph (runner/cudagraph/step_graph.py) holds the step's attention launch
 as one kernel node per layer, three pointers changed between them. It needs the launch the way
 Triton's own launcher makes it: the CUfunction; grid, 32 * num_warps threads, shared bytes; and the
 kernel-parameter buffer, every non-constexpr argument in signature order

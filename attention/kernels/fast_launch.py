@@ -115,6 +115,12 @@ class FastLaunch:
         """Everything Triton specialises a compiled kernel on, for these arguments."""
         return (*options, *specialisation(args, self.kinds))
 
+    def _ordinary_path(self, args: tuple) -> bool:
+        """Whether a call with `args` takes Triton's own launch: inside compile_ahead (only queuing
+        compiles), an unsupported signature, the fast path switched off, a wrong argument count, or
+        launch hooks (profilers) set."""
+        return _ahead._active or self.kinds is None or not ENABLED or len(args) != len(self.kinds) or _launch_hooks_set()
+
     def _fast_key(self, args: tuple, options: tuple) -> tuple:
         """`key`, from a function generated for the argument types of the first call (one
         expression per argument instead of a loop with type tests: a few microseconds less per
@@ -133,7 +139,7 @@ class FastLaunch:
         compile option, so part of the key (only passed on when set: the interpreter has no such option).
         Returns the CompiledKernel that ran when the fast path applies (for `relaunch`), else None
         (also inside `compile_ahead`, where nothing runs: the compile is only queued)."""
-        if _ahead._active or self.kinds is None or not ENABLED or len(args) != len(self.kinds) or _launch_hooks_set():
+        if self._ordinary_path(args):
             _ahead.launch(self.fn, grid, *args, **_triton_options(num_warps, num_stages, launch_pdl))
             return None
         key = self._fast_key(args, (device_index, num_warps, num_stages, launch_pdl))
@@ -153,7 +159,7 @@ class FastLaunch:
                         launch_pdl: bool = False) -> Any:
         """The CompiledKernel a call with these arguments and options would launch, without launching
         it; None where the call would not take the fast path or has not compiled it yet."""
-        if _ahead._active or self.kinds is None or not ENABLED or len(args) != len(self.kinds) or _launch_hooks_set():
+        if self._ordinary_path(args):
             return None
         return self.compiled.get(self._fast_key(args, (device_index, num_warps, num_stages, launch_pdl)))
 

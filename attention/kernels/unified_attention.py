@@ -485,7 +485,7 @@ class StepAttention:
     def bind_without_launch(self, key: tuple, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                             scale: float) -> bool:
         """Bind the step's launch for layers with `key` from these tensors without launching it (the
-        PIECEWISE step graph launches every layer, runner/cudagraph/native_loop.py). False where it
+        PIECEWISE step graph launches every layer, runner/cudagraph/step_graph.py). False where it
         cannot be bound: nothing to launch, a split merge that needs its own kernel, no compiled
         kernel for this launch yet (an eager call compiles it), or another key already bound."""
         if self._kernel is not None:
@@ -521,7 +521,7 @@ class StepAttention:
     def native_launch(self, key: tuple) -> tuple[KernelLaunch, int] | None:
         """The bound launch in driver form with this step's grid and arguments, and its stream, for
         layers whose `layer_key` is `key` (the PIECEWISE step graph's attention nodes,
-        runner/cudagraph/native_loop.py), or None: nothing bound, another key, or a launch without
+        runner/cudagraph/step_graph.py), or None: nothing bound, another key, or a launch without
         a driver form (attention/kernels/driver_launch.py). Worked out once per step."""
         if self._kernel is None or not (key is self._key or key == self._key):
             return None

@@ -22,7 +22,7 @@ forward context current at replay), or None for the generic call. Why: a PIECEWI
 inputs (checking their shapes, strides, alignment) need not be redone every step.
 
 A graph whose prepared replays all offer it (`native_step_graph`: the Triton attention backend's do) is
-replayed as ONE CUDA graph (runner/cudagraph/native_loop.py): its segments as child graphs and its
+replayed as ONE CUDA graph (runner/cudagraph/step_graph.py): its segments as child graphs and its
 attention as kernel nodes, re-parameterised from the step's own launch plan when it differs from the
 last step's. A step that cannot take it (its launch has no compiled kernel yet, needs a second
 kernel, or something differs from the capture) replays from Python as above. For that the segments
@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
-from runner.cudagraph import native_loop
+from runner.cudagraph import step_graph
 
 
 class GraphLike(Protocol):
@@ -153,7 +153,7 @@ def native_step_graph(segments: list[GraphLike], breaks: list["BreakRecord"]) ->
     bind = group.step_graph_binder(replays)
     if bind is None:
         return None
-    graph = native_loop.step_graph(segments, [r.patched for r in replays])
+    graph = step_graph.make_step_graph(segments, [r.patched for r in replays])
     return None if graph is None else (graph, bind)
 
 
@@ -169,7 +169,7 @@ class BreakRecord:
 class BreakableGraph:
     """Captured segments and the break ops between them: len(segments) == len(breaks) + 1.
 
-    `step_graph`: (StepGraph, bind), the whole graph as one CUDA graph (runner/cudagraph/native_loop.py)
+    `step_graph`: (StepGraph, bind), the whole graph as one CUDA graph (runner/cudagraph/step_graph.py)
     and its per-step binder, when the breaks allow it (`native_step_graph`); else None and every
     replay runs from Python."""
 

@@ -104,7 +104,7 @@ class CUDAGraphWrapper:
 
     @property
     def step_graph_runs(self) -> int:
-        """PIECEWISE replays launched as one step graph (runner/cudagraph/native_loop.py)."""
+        """PIECEWISE replays launched as one step graph (runner/cudagraph/step_graph.py)."""
         return sum(e.graph.step_graph[0].runs for e in self._entries.values() if getattr(e.graph, "step_graph", None))
 
     def captured_descriptors(self) -> list[BatchDescriptor]:

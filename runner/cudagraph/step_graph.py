@@ -24,7 +24,7 @@ Pieces:
 
 What this skips of `torch.cuda.CUDAGraph.replay`: the per-replay RNG prologue (model segments draw
 no random numbers; sampling runs outside the graphs). The kernel nodes carry no PDL attribute (the
-kernel's wait is then a no-op). GRAPHRUNNER_NATIVE_LOOP=0 (read at import) keeps the Python loop.
+kernel's wait is then a no-op). GRAPHRUNNER_STEP_GRAPH=0 (read at import) keeps every replay in Python.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from attention.kernels.driver_launch import PATCHED_ARGS, KernelLaunch
 
 logger = logging.getLogger(__name__)
 
-ENABLED = os.environ.get("GRAPHRUNNER_NATIVE_LOOP", "1") != "0"
+ENABLED = os.environ.get("GRAPHRUNNER_STEP_GRAPH", "1") != "0"
 """Read once at import; tests and benchmarks that switch it at run time set this attribute."""
 
 _SOURCE = r"""
@@ -168,8 +168,8 @@ def cache_dir() -> Path:
     return Path(os.environ.get("GRAPHRUNNER_CACHE_DIR") or Path.home() / ".cache" / "graphrunner") / "native"
 
 
-def build(include: Path, cc: str, out_dir: Path | None = None) -> Path:
-    """Compile the loop into a shared library (once per source and header: cached by their hash)."""
+def build_library(include: Path, cc: str, out_dir: Path | None = None) -> Path:
+    """Compile the step-graph functions into a shared library (once per source and header: cached by their hash)."""
     digest = hashlib.sha256(_SOURCE.encode() + (include / "cuda.h").read_bytes()).hexdigest()[:16]
     out_dir = out_dir or cache_dir()
     target = out_dir / f"step_graph_{digest}.so"
@@ -191,7 +191,7 @@ _library_tried = False
 
 
 def library() -> Any | None:
-    """The loaded loop (ctypes), or None where it cannot run here (logged once, with why)."""
+    """The loaded step-graph functions (ctypes), or None where it cannot run here (logged once, with why)."""
     global _library, _library_tried
     if _library_tried:
         return _library
@@ -201,7 +201,7 @@ def library() -> Any | None:
         logger.info("PIECEWISE replays stay in Python: %s", "no cuda.h from Triton" if include is None else "no C compiler")
         return None
     try:
-        lib = ctypes.CDLL(str(build(include, cc)))
+        lib = ctypes.CDLL(str(build_library(include, cc)))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         logger.warning("PIECEWISE replays stay in Python: building it failed: %s", detail)
@@ -286,7 +286,7 @@ class StepGraph:
         self.runs += 1
 
 
-def step_graph(segments: Sequence[Any], patched: Sequence[Sequence[int]]) -> StepGraph | None:
+def make_step_graph(segments: Sequence[Any], patched: Sequence[Sequence[int]]) -> StepGraph | None:
     """A StepGraph over `segments` and the attention launches between them (`patched`: each
     break's q, KV cache and out addresses), or None where it cannot run (disabled, a segment not
     kept as a graph, no library)."""

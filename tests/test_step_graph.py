@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from attention.kernels.driver_launch import kernel_launch
-from runner.cudagraph import native_loop
+from runner.cudagraph import step_graph
 from runner.cudagraph.breakable import BreakableGraph, BreakRecord
-from runner.cudagraph.native_loop import StepGraph
+from runner.cudagraph.step_graph import StepGraph
 
 SIGNATURE = {"q": "*fp32", "cache": "*bf16", "out": "*fp32", "scale": "fp32", "n": "i32", "BLOCK": "constexpr",
              "stride": "i64", "flag": "i1", "half": "fp16", "count": "u32"}
@@ -172,13 +172,13 @@ def test_step_graph_needs_kept_graphs_and_can_be_switched_off(monkeypatch):
         def raw_cuda_graph(self):
             return self.handle
 
-    monkeypatch.setattr(native_loop, "library", lambda: FakeDriver())
-    graph = native_loop.step_graph([Segment(1), Segment(2), Segment(3)], [(7, 8, 9), (4, 5, 6)])
+    monkeypatch.setattr(step_graph, "library", lambda: FakeDriver())
+    graph = step_graph.make_step_graph([Segment(1), Segment(2), Segment(3)], [(7, 8, 9), (4, 5, 6)])
     assert graph is not None and list(graph.graphs) == [1, 2, 3]
-    assert native_loop.step_graph([Segment(1), object(), Segment(3)], [(7, 8, 9), (4, 5, 6)]) is None  # a fake
-    assert native_loop.step_graph([Segment(1), Segment(0), Segment(3)], [(7, 8, 9), (4, 5, 6)]) is None  # not kept
-    monkeypatch.setattr(native_loop, "ENABLED", False)
-    assert native_loop.step_graph([Segment(1), Segment(2), Segment(3)], [(7, 8, 9), (4, 5, 6)]) is None
+    assert step_graph.make_step_graph([Segment(1), object(), Segment(3)], [(7, 8, 9), (4, 5, 6)]) is None  # a fake
+    assert step_graph.make_step_graph([Segment(1), Segment(0), Segment(3)], [(7, 8, 9), (4, 5, 6)]) is None  # not kept
+    monkeypatch.setattr(step_graph, "ENABLED", False)
+    assert step_graph.make_step_graph([Segment(1), Segment(2), Segment(3)], [(7, 8, 9), (4, 5, 6)]) is None
 
 
 class Log:
@@ -200,8 +200,8 @@ def make_graph(log: Log, layers: int, bound, group=None) -> BreakableGraph:
     group = group or SimpleNamespace()
     segments = [log.segment(i) for i in range(layers + 1)]
     breaks = [BreakRecord(op=None, args=(), kwargs={}, replay=log.replay(i, group)) for i in range(layers)]
-    step_graph = SimpleNamespace(run=lambda launch, stream: log.events.append(("step graph", launch, stream)))
-    return BreakableGraph(segments, breaks, (step_graph, lambda: bound()))
+    fake = SimpleNamespace(run=lambda launch, stream: log.events.append(("step graph", launch, stream)))
+    return BreakableGraph(segments, breaks, (fake, lambda: bound()))
 
 
 def test_breakable_graph_launches_the_step_graph_when_the_step_offers_its_launch():
@@ -221,11 +221,11 @@ def test_breakable_graph_replays_from_python_when_the_step_cannot_take_the_step_
 def test_step_graph_is_offered_only_when_every_break_shares_one_group(monkeypatch):
     from runner.cudagraph import breakable
     log, group = Log(), SimpleNamespace(step_graph_binder=lambda replays: (lambda: None))
-    monkeypatch.setattr(native_loop, "step_graph", lambda segments, patched: ("graph of", len(segments), patched))
+    monkeypatch.setattr(step_graph, "make_step_graph", lambda segments, patched: ("graph of", len(segments), patched))
     segments = [log.segment(i) for i in range(3)]
     same = [BreakRecord(None, (), {}, log.replay(i, group)) for i in range(2)]
-    step_graph, bind = breakable.native_step_graph(segments, same)
-    assert step_graph == ("graph of", 3, [(0, 0, 0), (1, 1, 1)]) and bind() is None
+    built, bind = breakable.native_step_graph(segments, same)
+    assert built == ("graph of", 3, [(0, 0, 0), (1, 1, 1)]) and bind() is None
     other = SimpleNamespace(step_graph_binder=group.step_graph_binder)
     assert breakable.native_step_graph(segments, [same[0], BreakRecord(None, (), {}, log.replay(1, other))]) is None
     assert breakable.native_step_graph(segments, [BreakRecord(None, (), {}, None), same[1]]) is None
@@ -339,11 +339,11 @@ def test_triton_backend_plans_the_step_graphs_launch_only_for_what_was_captured(
 
 
 def test_the_c_library_compiles(tmp_path):
-    include, cc = native_loop.cuda_header_dir(), native_loop.compiler()
+    include, cc = step_graph.cuda_header_dir(), step_graph.compiler()
     if include is None or cc is None:
         pytest.skip("no cuda.h from Triton or no C compiler here")
-    built = native_loop.build(include, cc, tmp_path)
-    assert native_loop.build(include, cc, tmp_path) == built        # cached by source hash
+    built = step_graph.build_library(include, cc, tmp_path)
+    assert step_graph.build_library(include, cc, tmp_path) == built        # cached by source hash
     lib = ctypes.CDLL(str(built))
     for name in ("gr_init", "gr_step_graph", "gr_step_update", "gr_step_launch", "gr_step_destroy"):
         assert hasattr(lib, name), name
