@@ -1,7 +1,7 @@
 """Engine vs HF transformers generate on a CPU: 32 prompts x 64 new tokens, same run, printed ratio.
 
     python scripts/bench_cpu.py [--model default] [--prompts 32] [--tokens 64] [--repeats 3]
-                                [--warmup-runs 1] [--threads N] [--warm-prefix-cache]
+                                [--warmup-runs 1] [--lockstep-runs 3] [--threads N] [--warm-prefix-cache]
                                 [--json out.json]
 
 Both sides: fp32, greedy, ignore EOS (every request makes exactly --tokens tokens), the whole
@@ -22,6 +22,15 @@ Same work on both sides: the engine's prefix cache is emptied before every timed
 computes every prompt token as HF does (otherwise the warm-up and earlier repeats would let it
 skip the shared chat-template prefix and whole repeated prompts). `--warm-prefix-cache` keeps
 the cache warm, which is the serving case but not an equal-work comparison.
+
+Lockstep runs (`--lockstep-runs`, after the alternating pairs): the two sides interleave step by
+step instead of run by run. HF's `generate` calls its stopping criteria once per generated token;
+there the engine runs one `step()` (its first is the whole prefill, as HF's first token is), timed
+on its own clock, and HF's time is the wall time of `generate` minus the engine's. The engine's
+clock also counts its `add_request` calls (tokenizing the prompts, which HF's side does before
+timing). A slow spell of this shared VM (its neighbours' memory traffic, which /proc/stat does
+not show) then slows both sides within the same 0.1 s instead of one whole run: session 8 saw
+per-pair ratios of 0.92-1.46 alternating run by run, 1.23-1.30 in lockstep, same code.
 """
 
 from __future__ import annotations
@@ -109,6 +118,46 @@ class EngineSide:
         return len(self.prompts) * self.tokens / seconds
 
 
+def lockstep(engine: EngineSide, hf: HFSide, run: int) -> tuple[float, float]:
+    """One run of each side, interleaved step by step (see the module docstring) -> (engine tok/s, HF tok/s)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+    llm_engine = engine.llm.engine
+    if not engine.warm:
+        assert llm_engine.scheduler.reset_prefix_cache(), "prefix cache still in use"
+    finished = []
+
+    def engine_step() -> float:
+        started = time.perf_counter()
+        finished.extend(o for o in llm_engine.step() if o.finished)
+        return time.perf_counter() - started
+
+    class EngineStepPerToken(StoppingCriteria):
+        def __init__(self) -> None:
+            self.seconds = 0.0
+
+        def __call__(self, input_ids, scores, **kwargs):
+            if llm_engine.has_unfinished_requests():
+                self.seconds += engine_step()
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    started = time.perf_counter()
+    for i, prompt in enumerate(engine.prompts):
+        llm_engine.add_request(prompt, engine.params, f"lockstep{run}-{i}")
+    hook = EngineStepPerToken()
+    hook.seconds = time.perf_counter() - started
+    with torch.inference_mode():
+        started = time.perf_counter()
+        out = hf.model.generate(**hf.batch, **hf.kwargs, stopping_criteria=StoppingCriteriaList([hook]))
+        hf_seconds = time.perf_counter() - started - hook.seconds
+    engine_seconds = hook.seconds
+    while llm_engine.has_unfinished_requests():  # HF was done first: the engine's remaining steps
+        engine_seconds += engine_step()
+    assert out.shape[1] - hf.batch["input_ids"].shape[1] == hf.tokens
+    assert len(finished) == len(engine.prompts) and all(len(o.token_ids) == engine.tokens for o in finished)
+    work = len(engine.prompts) * engine.tokens
+    return work / engine_seconds, work / hf_seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
@@ -120,6 +169,8 @@ def main() -> None:
     parser.add_argument("--max-tries", type=int, default=3, help="at most repeats * this many pairs")
     parser.add_argument("--warmup-runs", type=int, default=1,
                         help="untimed runs of the whole workload per side before timing (0: none, the first pair pays one-time costs)")
+    parser.add_argument("--lockstep-runs", type=int, default=3,
+                        help="runs of each side interleaved step by step (0: none), reported beside the pairs")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--warm-prefix-cache", action="store_true",
                         help="keep the engine's prefix cache between runs (less work than HF)")
@@ -156,20 +207,32 @@ def main() -> None:
             hf_runs.append(hf_tps)
             others += [engine_load, hf_load]
     engine_tps, hf_tps = statistics.median(engine_runs), statistics.median(hf_runs)
+    steps = [lockstep(engine, hf, run) for run in range(args.lockstep_runs)]
+    step_ratios = [e / h for e, h in steps]
     result = {"prompts": args.prompts, "tokens": args.tokens, "threads": torch.get_num_threads(),
               "warm_prefix_cache": args.warm_prefix_cache, "engine_runs": [round(x, 1) for x in engine_runs],
               "hf_runs": [round(x, 1) for x in hf_runs], "engine_tok_s": round(engine_tps, 1),
               "hf_tok_s": round(hf_tps, 1), "ratio": round(engine_tps / hf_tps, 2),
-              "other_load_cores": [None if x is None else round(x, 2) for x in others], "dropped_pairs": len(dropped)}
+              "other_load_cores": [None if x is None else round(x, 2) for x in others], "dropped_pairs": len(dropped),
+              "lockstep_runs": [[round(e, 1), round(h, 1)] for e, h in steps],
+              "lockstep_ratio": round(statistics.median(step_ratios), 2) if steps else None}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     load = [("?" if x is None else f"{x:.2f}") for x in others]
     print("runs, engine / HF tok/s (ratio) [other processes' load in cores, engine / HF]: " + ", ".join(
         f"{e:.1f} / {h:.1f} ({e / h:.2f}x) [{load[2 * i]} / {load[2 * i + 1]}]"
         for i, (e, h) in enumerate(zip(engine_runs, hf_runs))))
-    print("| engine tok/s | HF generate tok/s | ratio | threads | prefix cache |\n|---|---|---|---|---|")
-    print(f"| {engine_tps:.1f} | {hf_tps:.1f} | {engine_tps / hf_tps:.2f}x | {torch.get_num_threads()} | "
-          f"{'warm' if args.warm_prefix_cache else 'emptied before each run'} |")
+    if steps:
+        print("lockstep runs, engine / HF tok/s (ratio): " + ", ".join(f"{e:.1f} / {h:.1f} ({e / h:.2f}x)"
+                                                                      for e, h in steps))
+    cache = "warm" if args.warm_prefix_cache else "emptied before each run"
+    print("| method | engine tok/s | HF generate tok/s | ratio | threads | prefix cache |\n|---|---|---|---|---|---|")
+    print(f"| whole runs, alternating | {engine_tps:.1f} | {hf_tps:.1f} | {engine_tps / hf_tps:.2f}x | "
+          f"{torch.get_num_threads()} | {cache} |")
+    if steps:
+        print(f"| lockstep (median ratio) | {statistics.median(e for e, _ in steps):.1f} | "
+              f"{statistics.median(h for _, h in steps):.1f} | {statistics.median(step_ratios):.2f}x | "
+              f"{torch.get_num_threads()} | {cache} |")
 
 
 if __name__ == "__main__":

@@ -198,3 +198,21 @@ def test_break_replay_bench_switches_every_graph_between_variants(capsys, monkey
         monkeypatch.setattr(sys, "argv", ["bench_break_replay.py"])
         bench_break_replay.main()
         assert "needs a CUDA device" in capsys.readouterr().out
+
+
+def test_cpu_engine_vs_hf_bench_smoke(tmp_path, monkeypatch, capsys):
+    """scripts/bench_cpu.py end to end on the embedded SmolLM2, tiny: one alternating pair and two
+    lockstep runs (the engine stepped from HF's per-token stopping-criteria hook), every figure positive."""
+    import bench_cpu
+    out = tmp_path / "cpu.json"
+    monkeypatch.setattr(sys, "argv", ["bench_cpu.py", "--prompts", "3", "--tokens", "4", "--repeats", "1",
+                                      "--warmup-runs", "0", "--lockstep-runs", "2", "--max-other-load", "1000",
+                                      "--json", str(out)])
+    bench_cpu.main()
+    result = json.loads(out.read_text())
+    assert result["prompts"] == 3 and result["tokens"] == 4
+    assert len(result["engine_runs"]) == len(result["hf_runs"]) == 1
+    assert len(result["lockstep_runs"]) == 2
+    assert all(e > 0 and h > 0 for e, h in result["lockstep_runs"]) and result["lockstep_ratio"] > 0
+    printed = capsys.readouterr().out
+    assert "| lockstep (median ratio) |" in printed and "| whole runs, alternating |" in printed
