@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from models import cpu_kernels
+
 
 @functools.cache
 def _fused_kernels():
@@ -244,6 +246,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         kernels = fused(x)
         if kernels is None:
+            if not x.is_cuda:   # a CPU decode step: one C pass (models/cpu_kernels.py) where it applies
+                result = cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
+                if result is not None:
+                    return result
             return self.reference(x, residual)
         shape = x.shape
         result = kernels.add_rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps,

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from attention.kernels.driver_launch import kernel_launch
+from models import native_build
 from runner.cudagraph import step_graph
 from runner.cudagraph.breakable import BreakableGraph, BreakRecord
 from runner.cudagraph.step_graph import StepGraph
@@ -339,7 +340,7 @@ def test_triton_backend_plans_the_step_graphs_launch_only_for_what_was_captured(
 
 
 def test_the_c_library_compiles(tmp_path):
-    include, cc = step_graph.cuda_header_dir(), step_graph.compiler()
+    include, cc = step_graph.cuda_header_dir(), native_build.compiler()
     if include is None or cc is None:
         pytest.skip("no cuda.h from Triton or no C compiler here")
     built = step_graph.build_library(include, cc, tmp_path)

@@ -30,12 +30,9 @@ kernel's wait is then a no-op). GRAPHRUNNER_STEP_GRAPH=0 (read at import) keeps 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
 import subprocess
-import tempfile
 import weakref
 from pathlib import Path
 from typing import Any, Sequence
@@ -160,30 +157,11 @@ def cuda_header_dir() -> Path | None:
     return include if (include / "cuda.h").is_file() else None
 
 
-def compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc") or shutil.which("clang")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("GRAPHRUNNER_CACHE_DIR") or Path.home() / ".cache" / "graphrunner") / "native"
-
-
 def build_library(include: Path, cc: str, out_dir: Path | None = None) -> Path:
     """Compile the step-graph functions into a shared library (once per source and header: cached by their hash)."""
-    digest = hashlib.sha256(_SOURCE.encode() + (include / "cuda.h").read_bytes()).hexdigest()[:16]
-    out_dir = out_dir or cache_dir()
-    target = out_dir / f"step_graph_{digest}.so"
-    if target.is_file():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        source = Path(tmp) / "step_graph.c"
-        source.write_text(_SOURCE)
-        built = Path(tmp) / target.name
-        subprocess.run([cc, "-O2", "-shared", "-fPIC", "-I", str(include), str(source), "-o", str(built), "-ldl"],
-                       check=True, capture_output=True, text=True)
-        os.replace(built, target)     # atomic: a concurrent build leaves one whole file
-    return target
+    from models.native_build import compile_shared  # here: models/ imports this package while it initialises
+    return compile_shared("step_graph", _SOURCE, cc, ["-O2", "-I", str(include)], libs=("-ldl",),
+                          key=(include / "cuda.h").read_bytes(), out_dir=out_dir)
 
 
 _library: Any = None
@@ -196,6 +174,7 @@ def library() -> Any | None:
     if _library_tried:
         return _library
     _library_tried = True
+    from models.native_build import compiler
     include, cc = cuda_header_dir(), compiler()
     if include is None or cc is None:
         logger.info("PIECEWISE replays stay in Python: %s", "no cuda.h from Triton" if include is None else "no C compiler")
