@@ -60,12 +60,11 @@ void gr_add_rms_norm(const float* x, const float* res, float* out, float* new_re
 
 def _cpu_key() -> bytes:
     """What -march=native compiles for: the machine and its instruction-set flags."""
-    flags = ""
     try:
         with open("/proc/cpuinfo") as info:
             flags = next((line for line in info if line.startswith("flags")), "")
-    except OSError:
-        pass
+    except OSError:  # not Linux: the machine name alone
+        flags = ""
     return (platform.machine() + flags).encode()
 
 

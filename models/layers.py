@@ -245,12 +245,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         kernels = fused(x)
-        if kernels is None:
-            if not x.is_cuda:   # a CPU decode step: one C pass (models/cpu_kernels.py) where it applies
-                result = cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
-                if result is not None:
-                    return result
-            return self.reference(x, residual)
+        if kernels is None:   # a CPU decode step: one C pass (models/cpu_kernels.py) where it applies
+            result = cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
+            return self.reference(x, residual) if result is None else result
         shape = x.shape
         result = kernels.add_rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps,
                                       None if residual is None else residual.reshape(-1, shape[-1]))

@@ -30,7 +30,7 @@ on its own clock, and HF's time is the wall time of `generate` minus the engine'
 clock also counts its `add_request` calls (tokenizing the prompts, which HF's side does before
 timing). A slow spell of this shared VM (its neighbours' memory traffic, which /proc/stat does
 not show) then slows both sides within the same 0.1 s instead of one whole run: session 8 saw
-per-pair ratios of 0.92-1.46 alternating run by run, 1.23-1.30 in lockstep, same code.
+per-pair ratios of 0.92-1.46 alternating run by run, 1.22-1.30 in lockstep, same code.
 """
 
 from __future__ import annotations
@@ -108,9 +108,13 @@ class EngineSide:
         self.prompts, self.tokens, self.warm = prompts, tokens, warm_prefix_cache
         self.params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
 
-    def run(self) -> float:
+    def empty_prefix_cache(self) -> None:
+        """Equal work: every prompt token computed, as HF does (unless --warm-prefix-cache)."""
         if not self.warm:
             assert self.llm.engine.scheduler.reset_prefix_cache(), "prefix cache still in use"
+
+    def run(self) -> float:
+        self.empty_prefix_cache()
         started = time.perf_counter()
         outs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
         seconds = time.perf_counter() - started
@@ -122,8 +126,7 @@ def lockstep(engine: EngineSide, hf: HFSide, run: int) -> tuple[float, float]:
     """One run of each side, interleaved step by step (see the module docstring) -> (engine tok/s, HF tok/s)."""
     from transformers import StoppingCriteria, StoppingCriteriaList
     llm_engine = engine.llm.engine
-    if not engine.warm:
-        assert llm_engine.scheduler.reset_prefix_cache(), "prefix cache still in use"
+    engine.empty_prefix_cache()
     finished = []
 
     def engine_step() -> float:
@@ -132,8 +135,8 @@ def lockstep(engine: EngineSide, hf: HFSide, run: int) -> tuple[float, float]:
         return time.perf_counter() - started
 
     class EngineStepPerToken(StoppingCriteria):
-        def __init__(self) -> None:
-            self.seconds = 0.0
+        def __init__(self, seconds: float) -> None:
+            self.seconds = seconds   # the engine's clock so far
 
         def __call__(self, input_ids, scores, **kwargs):
             if llm_engine.has_unfinished_requests():
@@ -143,8 +146,7 @@ def lockstep(engine: EngineSide, hf: HFSide, run: int) -> tuple[float, float]:
     started = time.perf_counter()
     for i, prompt in enumerate(engine.prompts):
         llm_engine.add_request(prompt, engine.params, f"lockstep{run}-{i}")
-    hook = EngineStepPerToken()
-    hook.seconds = time.perf_counter() - started
+    hook = EngineStepPerToken(time.perf_counter() - started)
     with torch.inference_mode():
         started = time.perf_counter()
         out = hf.model.generate(**hf.batch, **hf.kwargs, stopping_criteria=StoppingCriteriaList([hook]))
