@@ -214,8 +214,21 @@ def screened_argmax(hidden: torch.Tensor, head: nn.Linear) -> torch.Tensor | Non
     if screen is None or not bool(torch.isfinite(hidden).all()):
         return None
     w16, norms, max_norm = screen
-    approx = F.linear(hidden.to(torch.bfloat16), w16).float()              # [R, V]
-    slack = SCREEN_ERROR * hidden.norm(dim=1, keepdim=True)                # e_j / ||w_j|| per row
+    approx = F.linear(hidden.to(torch.bfloat16), w16)                      # [R, V]
+    slack = SCREEN_ERROR * hidden.norm(dim=1)                              # e_j / ||w_j|| per row
+    found = cpu_kernels.screen_candidates(approx, slack, norms, max_norm)  # the passes below, in one C call
+    ids, candidates, floor = _screen_candidates(approx.float(), slack, norms, max_norm) if found is None else found
+    if ids.numel() < SCREEN_MIN_ROWS:  # MKL's narrowest products differ: pad, the test decides again
+        ids = torch.unique(torch.cat([ids, torch.arange(min(SCREEN_MIN_ROWS, weight.shape[0]))]))
+        candidates = approx.index_select(1, ids).float() + slack[:, None] * norms[ids] >= floor
+    exact = F.linear(hidden, weight.index_select(0, ids)).masked_fill_(~candidates, float("-inf"))
+    return ids[exact.max(dim=1).indices]                                    # ids ascend: ties go left
+
+
+def _screen_candidates(approx: torch.Tensor, slack: torch.Tensor, norms: torch.Tensor, max_norm: float):
+    """(ids that may hold a row's maximum, candidates [R, C]: for which rows, floor [R, 1]) from the
+    bf16 logits approx [R, V] (here in fp32): the torch form of cpu_kernels.screen_candidates."""
+    slack = slack[:, None]
     # Coarse, one pass: the floor is at least top - slack * max_norm, and e_j <= slack * max_norm.
     # (amax, not max: a tenth of the time on a CPU, and no index is needed.)
     coarse = approx.amax(dim=1, keepdim=True) - 2 * max_norm * slack
@@ -225,13 +238,7 @@ def screened_argmax(hidden: torch.Tensor, head: nn.Linear) -> torch.Tensor | Non
     floor = (near - near_slack).amax(dim=1, keepdim=True)  # max_j(a_j - e_j): the top token is in ids
     candidates = near + near_slack >= floor
     keep = candidates.any(dim=0)
-    ids, candidates = ids[keep], candidates[:, keep]
-    if ids.numel() < SCREEN_MIN_ROWS:  # MKL's narrowest products differ: pad, the test decides again
-        ids = torch.unique(torch.cat([ids, torch.arange(min(SCREEN_MIN_ROWS, weight.shape[0]))]))
-        near = approx.index_select(1, ids)
-        candidates = near + slack * norms[ids] >= floor
-    exact = F.linear(hidden, weight.index_select(0, ids)).masked_fill_(~candidates, float("-inf"))
-    return ids[exact.max(dim=1).indices]                                    # ids ascend: ties go left
+    return ids[keep], candidates[:, keep], floor
 
 
 class RMSNorm(nn.Module):
@@ -354,6 +361,11 @@ class RotaryEmbedding(nn.Module):
     _step: tuple | None = None
 
     def reference(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        qk = _adjacent_heads(q, k)  # q and k side by side in one projection row: one pass for both
+        if qk is not None and self.rotary_dim == qk.shape[-1]:
+            out = cpu_kernels.rope(qk, positions, self.cos_sin_cache)  # a CPU decode step: one C pass
+            if out is not None:
+                return out[:, :q.shape[1]], out[:, q.shape[1]:]
         step = self._step
         signed = None
         if step is not None and step[0] is positions:
@@ -361,8 +373,7 @@ class RotaryEmbedding(nn.Module):
         else:
             cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        qk = _adjacent_heads(q, k)
-        if qk is not None:  # q and k side by side in one projection row: one pass for both
+        if qk is not None:
             if signed is not None and qk.dtype == torch.float32 and self.rotary_dim == qk.shape[-1]:
                 out = _rotate_signed(qk, *signed)
             else:
@@ -426,5 +437,8 @@ class GatedMLP(nn.Module):
         kernels = fused(gate_up)
         if kernels is not None:
             return kernels.silu_and_mul(gate_up)
+        out = cpu_kernels.silu_mul(gate_up)  # a CPU decode step: one C pass, bit for bit the ops below
+        if out is not None:
+            return out
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)  # silu(gate) * up, one temporary

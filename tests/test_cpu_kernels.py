@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -73,3 +75,215 @@ def test_no_compiler_keeps_the_torch_path(monkeypatch):
         assert cpu_kernels.library() is None
     finally:
         cpu_kernels.library.cache_clear()
+
+
+# --- RoPE, SiLU*mul, the LM-head screen: the C pass against the torch ops it replaces ---------------
+
+def test_c_rope_is_bit_identical_to_the_torch_rotation():
+    from transformers import LlamaConfig
+
+    from models.layers import RotaryEmbedding, _adjacent_heads, _rotate, _rotate_signed
+    rotary = RotaryEmbedding(LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2), 512)
+    gen = torch.Generator().manual_seed(3)
+    tokens, hq, hk, dim = 24, 4, 2, 64
+    qkv = torch.randn(tokens, (hq + 2 * hk) * dim, generator=gen) * 3
+    q, k, _ = qkv.split([hq * dim, hk * dim, hk * dim], dim=-1)
+    q, k = q.reshape(tokens, hq, dim), k.reshape(tokens, hk, dim)
+    positions = torch.randint(0, 512, (tokens,), generator=gen)
+    with torch.inference_mode():
+        qk = _adjacent_heads(q, k)
+        got = cpu_kernels.rope(qk, positions, rotary.cos_sin_cache)
+        rotary.begin_step(positions)
+        *_, signed = rotary._step[1:]
+        rotary.end_step()
+        cos, sin = rotary.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+        assert torch.equal(got, _rotate_signed(qk, *signed))
+        assert torch.equal(got, _rotate(qk, cos.unsqueeze(1), sin.unsqueeze(1), dim))   # HF's rounding
+        rq, rk = rotary(positions, q, k)             # the module's CPU path takes the kernel
+        assert torch.equal(rq, got[:, :hq]) and torch.equal(rk, got[:, hq:])
+        with pytest.raises(IndexError, match="position 512 is outside the rotary table of 512"):
+            cpu_kernels.rope(qk, torch.full((tokens,), 512), rotary.cos_sin_cache)
+        assert cpu_kernels.rope(qk.double(), positions, rotary.cos_sin_cache) is None
+        assert cpu_kernels.rope(qk, positions.int(), rotary.cos_sin_cache) is None
+
+
+needs_vector_exp = pytest.mark.skipif(not cpu_kernels.native_attention(),
+                                      reason="needs the AVX-512 build and torch's AVX-512 kernels")
+
+
+@needs_vector_exp
+@pytest.mark.parametrize("rows,cols,scale", [(32, 1536, 4.0), (7, 1536, 30.0), (64, 2048, 1.0), (5, 100, 3.0),
+                                             (3, 1031, 10.0)])
+def test_c_silu_mul_is_bit_identical_to_torch(rows, cols, scale):
+    """Torch's own vector exp on the same 32-element chunks: equal to the last bit, specials included."""
+    gate_up = torch.randn(rows, 2 * cols, generator=torch.Generator().manual_seed(cols)) * scale
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 88.7, -88.7, -104.0, 200.0, float("inf"), float("-inf")])
+    gate, up = gate_up.chunk(2, dim=-1)
+    with torch.inference_mode():
+        got = cpu_kernels.silu_mul(gate_up)
+        expected = torch.nn.functional.silu(gate) * up
+        assert torch.equal(got.isnan(), expected.isnan())
+        assert torch.equal(got.nan_to_num(), expected.nan_to_num())
+        assert cpu_kernels.silu_mul(gate_up[:, :-1]) is None          # odd width: no gate/up halves
+
+
+def test_c_screen_finds_the_torch_screens_candidates():
+    from models.layers import _screen_candidates
+    gen = torch.Generator().manual_seed(5)
+    rows, vocab = 20, 3000
+    approx = (torch.randn(rows, vocab, generator=gen) * 3).to(torch.bfloat16)
+    approx[:, 17] = approx[:, 1234] = approx.float().amax(dim=1).to(torch.bfloat16)  # ties at the top
+    slack = torch.rand(rows, generator=gen) * 0.05
+    norms = torch.rand(vocab, generator=gen) + 0.5
+    found = cpu_kernels.screen_candidates(approx, slack, norms, float(norms.max()))
+    if cpu_kernels.library() is None:
+        assert found is None
+        return
+    ids, candidates, floor = found
+    expected_ids, expected_candidates, expected_floor = _screen_candidates(approx.float(), slack, norms,
+                                                                           float(norms.max()))
+    assert 17 in ids.tolist() and 1234 in ids.tolist()
+    assert torch.equal(ids, expected_ids) and torch.equal(candidates, expected_candidates)
+    assert torch.equal(floor, expected_floor)
+    assert cpu_kernels.screen_candidates(approx.float(), slack, norms, 1.0) is None   # fp32 logits: torch's passes
+
+
+# --- decode attention over the paged cache ---------------------------------------------------------
+
+def _decode_batch(context_lens, *, num_q_heads, num_kv_heads, head_dim, block_size, seed):
+    """A decode step (one new token a request) in a shuffled paged cache, with its new keys/values."""
+    from tests.paged_batch import make_batch
+    b = make_batch([1] * len(context_lens), context_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                   head_dim=head_dim, block_size=block_size, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    key, value = (torch.randn(len(context_lens), num_kv_heads, head_dim, generator=gen) for _ in range(2))
+    return b, key, value
+
+
+def _written(b, key, value):
+    """The cache after this step's writes, in torch; slot -1 skipped."""
+    cache = b.kv_cache.clone()
+    flat = cache.view(2, -1, *cache.shape[3:])
+    valid = b.slot_mapping >= 0
+    flat[0, b.slot_mapping[valid]] = key[valid]
+    flat[1, b.slot_mapping[valid]] = value[valid]
+    return cache
+
+
+@needs_vector_exp
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16), (4, 4, 64, 16), (8, 2, 128, 32), (6, 3, 32, 8), (4, 1, 48, 5)])
+def test_c_decode_attention_matches_the_float64_reference(num_q_heads, num_kv_heads, head_dim, block_size):
+    from tests.paged_batch import reference_attention
+    gen = torch.Generator().manual_seed(head_dim)
+    context_lens = torch.randint(0, 90, (11,), generator=gen).tolist() + [0, 15, 16, 31, 32, 33]
+    b, key, value = _decode_batch(context_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                                  head_dim=head_dim, block_size=block_size, seed=head_dim + block_size)
+    b.slot_mapping[3] = -1                     # a row that does not write: its slot keeps the old K/V
+    expected_cache = _written(b, key, value)
+    out = torch.full_like(b.query, float("nan"))
+    with torch.inference_mode():
+        assert cpu_kernels.decode_attention(b.query, key, value, b.kv_cache, b.block_table, b.seq_lens,
+                                            b.slot_mapping, b.scale, out)
+    assert torch.equal(b.kv_cache, expected_cache)
+    reference = reference_attention(dataclasses.replace(b, kv_cache=expected_cache))
+    torch.testing.assert_close(out.double(), reference, atol=2e-6, rtol=2e-6)
+
+
+@needs_vector_exp
+def test_c_decode_attention_reads_strided_rows_and_is_the_same_on_one_thread():
+    """q, k, v as views of one qkv projection row (the model's layout); one thread or two, the same
+    bits (each request is one thread's)."""
+    b, _, _ = _decode_batch([40, 7, 100, 1], num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16, seed=9)
+    qkv = torch.randn(4, 15 * 64, generator=torch.Generator().manual_seed(10))
+    q, key, value = (t.unflatten(1, (-1, 64)) for t in qkv.split([9 * 64, 3 * 64, 3 * 64], dim=1))
+    cache = b.kv_cache.clone()
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (threads, 1):
+            torch.set_num_threads(n)
+            b.kv_cache.copy_(cache)
+            outs.append(torch.empty(4, 9, 64))
+            assert cpu_kernels.decode_attention(q, key, value, b.kv_cache, b.block_table, b.seq_lens,
+                                                b.slot_mapping, b.scale, outs[-1])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    contiguous = torch.empty(4, 9, 64)
+    b.kv_cache.copy_(cache)
+    cpu_kernels.decode_attention(q.contiguous(), key.contiguous(), value.contiguous(), b.kv_cache, b.block_table,
+                                 b.seq_lens, b.slot_mapping, b.scale, contiguous)
+    assert torch.equal(outs[0], contiguous)
+
+
+@needs_vector_exp
+def test_c_decode_attention_refuses_out_of_range_indices_and_writes_nothing():
+    b, key, value = _decode_batch([5, 20], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4, seed=3)
+    cache = b.kv_cache.clone()
+    out = torch.empty_like(b.query)
+    num_blocks = b.kv_cache.shape[1]
+    for field, bad, message in [("slot_mapping", num_blocks * 4, "a slot"), ("seq_lens", 10 ** 6, "a sequence length"),
+                                ("block_table", num_blocks, "a block id")]:
+        tensor = getattr(b, field)
+        saved = tensor.clone()
+        tensor.view(-1)[0] = bad
+        with pytest.raises(IndexError, match=message):
+            cpu_kernels.decode_attention(b.query, key, value, b.kv_cache, b.block_table, b.seq_lens, b.slot_mapping,
+                                         b.scale, out)
+        assert torch.equal(b.kv_cache, cache)
+        tensor.copy_(saved)
+
+
+def test_c_decode_attention_declines_what_it_does_not_cover():
+    b, key, value = _decode_batch([5, 20], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4, seed=4)
+    out = torch.empty_like(b.query)
+    args = (b.kv_cache, b.block_table, b.seq_lens, b.slot_mapping, b.scale)
+    assert not cpu_kernels.decode_attention(b.query.double(), key, value, *args, out.double())
+    assert not cpu_kernels.decode_attention(b.query.transpose(0, 1).contiguous().transpose(0, 1), key, value,
+                                            *args, out)                        # heads not contiguous in a row
+    assert not cpu_kernels.decode_attention(b.query, key, value, b.kv_cache, b.block_table.long(), *args[2:], out)
+    narrow = _decode_batch([5], num_q_heads=2, num_kv_heads=1, head_dim=24, block_size=4, seed=5)[0]
+    assert not cpu_kernels.decode_attention(narrow.query, narrow.query[:, :1], narrow.query[:, :1], narrow.kv_cache,
+                                            narrow.block_table, narrow.seq_lens, narrow.slot_mapping, 1.0,
+                                            torch.empty_like(narrow.query))       # head_dim 24: not 16 lanes
+
+
+def _backend_decode(b, key, value, native: bool, monkeypatch, layer_key=None):
+    """TorchSDPABackend.forward on the decode batch `b`, with the C path allowed or not; (out, cache)."""
+    from types import SimpleNamespace
+
+    from attention.backends.torch_sdpa import TorchSDPABackend
+    from attention.metadata import CommonAttentionMetadata
+    monkeypatch.setattr(cpu_kernels, "native_attention", lambda: native)
+    reqs = b.seq_lens.shape[0]
+    common = CommonAttentionMetadata(
+        query_start_loc=b.query_start_loc, query_start_loc_cpu=b.query_start_loc, seq_lens=b.seq_lens,
+        seq_lens_cpu=b.seq_lens, num_computed_tokens_cpu=b.seq_lens - 1, block_table=b.block_table,
+        slot_mapping=b.slot_mapping, token_request_index=torch.arange(reqs, dtype=torch.int32), num_reqs=reqs,
+        num_actual_tokens=reqs, max_query_len=1, max_seq_len=int(b.seq_lens.max()), uniform_decode=True)
+    backend = TorchSDPABackend()
+    metadata = backend.build_metadata(common)
+    layer = SimpleNamespace(num_heads=b.query.shape[1], num_kv_heads=key.shape[1], head_dim=key.shape[2],
+                            scale=b.scale)
+    cache, out = b.kv_cache.clone(), torch.full_like(b.query, float("nan"))
+    with torch.inference_mode():
+        backend.forward(layer, b.query, key if layer_key is None else layer_key, value, out, cache, metadata)
+    return out, cache, metadata
+
+
+@needs_vector_exp
+def test_backend_decode_step_takes_the_c_kernel_and_agrees_with_the_torch_path(monkeypatch):
+    b, key, value = _decode_batch([40, 7, 100, 1, 63], num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+                                  seed=21)
+    native_out, native_cache, metadata = _backend_decode(b, key, value, True, monkeypatch)
+    assert next(iter(metadata.layouts.values())).native_decode
+    torch_out, torch_cache, metadata = _backend_decode(b, key, value, False, monkeypatch)
+    assert not next(iter(metadata.layouts.values())).native_decode
+    assert torch.equal(native_cache, torch_cache)
+    torch.testing.assert_close(native_out, torch_out, atol=2e-6, rtol=2e-6)
+    # A layer whose tensors the kernel declines (heads not contiguous within a key row) falls back to torch's.
+    odd_key = key.transpose(0, 1).contiguous().transpose(0, 1)
+    out, cache, metadata = _backend_decode(b, key, value, True, monkeypatch, layer_key=odd_key)
+    assert not next(iter(metadata.layouts.values())).native_decode
+    assert torch.equal(cache, torch_cache) and torch.equal(out, torch_out)
