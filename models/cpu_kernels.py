@@ -104,36 +104,58 @@ int gr_rope(const float* x, long stride, int rows, int heads, int dim, const int
    then floor[r] = max over those ids of a[r, j] - slack[r] * norms[j], and the ids kept are those
    with a[r, j] + slack[r] * norms[j] >= floor[r] for some r (cand[k * rows + r] says for which).
    Returns the number of ids kept (ids and cand compacted to it); flag: vocab bytes of scratch. */
+static inline float gr_bf16(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float v;
+    memcpy(&v, &bits, 4);
+    return v;
+}
+
+static inline float gr_row_max(const uint16_t* row, long vocab) {
+    long c = 0;
+    float top = -INFINITY;
+#ifdef __AVX512F__
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    for (; c + 16 <= vocab; c += 16)
+        best = _mm512_max_ps(best, _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(row + c))), 16)));
+    top = _mm512_reduce_max_ps(best);
+#endif
+    for (; c < vocab; c++) top = gr_bf16(row[c]) > top ? gr_bf16(row[c]) : top;
+    return top;
+}
+
+/* flag[c] |= row[c] >= bound for c in [begin, end) */
+static inline void gr_flag_at_least(const uint16_t* row, long begin, long end, float bound, uint8_t* flag) {
+    long c = begin;
+#ifdef __AVX512F__
+    __m512 b = _mm512_set1_ps(bound);
+    for (; c + 16 <= end; c += 16) {
+        __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(row + c))), 16));
+        __mmask16 hit = _mm512_cmp_ps_mask(v, b, _CMP_GE_OQ);
+        if (hit) _mm_storeu_si128((__m128i*)(flag + c), _mm_or_si128(_mm_loadu_si128((const __m128i*)(flag + c)),
+                                                                       _mm_maskz_set1_epi8(hit, 1)));
+    }
+#endif
+    for (; c < end; c++) flag[c] |= gr_bf16(row[c]) >= bound;
+}
+
 long gr_screen(const uint16_t* a, int rows, long vocab, const float* slack, const float* norms, float max_norm,
                int64_t* ids, uint8_t* cand, float* floor_out, uint8_t* flag) {
+    const long span = 2048;   /* columns per task of the second pass: each task owns its flags */
     memset(flag, 0, (size_t)vocab);
-    for (int r = 0; r < rows; r++) {
-        const uint16_t* row = a + (size_t)r * vocab;
-        float lanes[16];
-        for (int j = 0; j < 16; j++) lanes[j] = -INFINITY;
-        long c = 0;
-        for (; c + 16 <= vocab; c += 16)
-            for (int j = 0; j < 16; j++) {
-                uint32_t bits = (uint32_t)row[c + j] << 16;
-                float v;
-                memcpy(&v, &bits, 4);
-                lanes[j] = v > lanes[j] ? v : lanes[j];
-            }
-        float top = -INFINITY;
-        for (int j = 0; j < 16; j++) top = lanes[j] > top ? lanes[j] : top;
-        for (; c < vocab; c++) {
-            uint32_t bits = (uint32_t)row[c] << 16;
-            float v;
-            memcpy(&v, &bits, 4);
-            top = v > top ? v : top;
-        }
-        float coarse = top - 2.0f * max_norm * slack[r];
-        for (c = 0; c < vocab; c++) {
-            uint32_t bits = (uint32_t)row[c] << 16;
-            float v;
-            memcpy(&v, &bits, 4);
-            flag[c] |= v >= coarse;
-        }
+    float coarse[rows];
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(static)
+        for (int r = 0; r < rows; r++)
+            coarse[r] = gr_row_max(a + (size_t)r * vocab, vocab) - 2.0f * max_norm * slack[r];
+        #pragma omp for schedule(static)
+        for (long begin = 0; begin < vocab; begin += span)
+            for (int r = 0; r < rows; r++)
+                gr_flag_at_least(a + (size_t)r * vocab, begin, begin + span < vocab ? begin + span : vocab,
+                                 coarse[r], flag);
     }
     long n = 0;
     for (long c = 0; c < vocab; c++)
@@ -142,10 +164,7 @@ long gr_screen(const uint16_t* a, int rows, long vocab, const float* slack, cons
         const uint16_t* row = a + (size_t)r * vocab;
         float fl = -INFINITY;
         for (long k = 0; k < n; k++) {
-            uint32_t bits = (uint32_t)row[ids[k]] << 16;
-            float v;
-            memcpy(&v, &bits, 4);
-            float low = v - slack[r] * norms[ids[k]];
+            float low = gr_bf16(row[ids[k]]) - slack[r] * norms[ids[k]];
             fl = low > fl ? low : fl;
         }
         floor_out[r] = fl;
@@ -154,10 +173,7 @@ long gr_screen(const uint16_t* a, int rows, long vocab, const float* slack, cons
     for (long k = 0; k < n; k++) {
         int any = 0;
         for (int r = 0; r < rows; r++) {
-            uint32_t bits = (uint32_t)a[(size_t)r * vocab + ids[k]] << 16;
-            float v;
-            memcpy(&v, &bits, 4);
-            uint8_t hit = v + slack[r] * norms[ids[k]] >= floor_out[r];
+            uint8_t hit = gr_bf16(a[(size_t)r * vocab + ids[k]]) + slack[r] * norms[ids[k]] >= floor_out[r];
             cand[(size_t)kept * rows + r] = hit;
             any |= hit;
         }
@@ -351,8 +367,9 @@ def library():
             lib = ctypes.CDLL(str(compile_shared("cpu_kernels", _SOURCE, cc, flags + extra, key=_cpu_key())))
             break
         except (OSError, subprocess.CalledProcessError) as exc:
-            logger.warning("CPU decode kernels: building them with %s failed: %s", flags + extra,
-                           getattr(exc, "stderr", "") or exc)
+            failure = getattr(exc, "stderr", "") or exc
+            logger.log(logging.INFO if extra else logging.WARNING, "CPU decode kernels: building them with %s "
+                       "failed%s: %s", " ".join(flags + extra), "" if extra else " (torch path instead)", failure)
     if lib is None:
         return None
     vp, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
