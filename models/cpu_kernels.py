@@ -47,7 +47,8 @@ _SOURCE = r"""
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define GR_AVX512 1   /* Skylake-SP and later: the intrinsics below need F, BW, VL and DQ */
 #include <immintrin.h>
 #endif
 
@@ -114,7 +115,7 @@ static inline float gr_bf16(uint16_t h) {
 static inline float gr_row_max(const uint16_t* row, long vocab) {
     long c = 0;
     float top = -INFINITY;
-#ifdef __AVX512F__
+#ifdef GR_AVX512
     __m512 best = _mm512_set1_ps(-INFINITY);
     for (; c + 16 <= vocab; c += 16)
         best = _mm512_max_ps(best, _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -128,7 +129,7 @@ static inline float gr_row_max(const uint16_t* row, long vocab) {
 /* flag[c] |= row[c] >= bound for c in [begin, end) */
 static inline void gr_flag_at_least(const uint16_t* row, long begin, long end, float bound, uint8_t* flag) {
     long c = begin;
-#ifdef __AVX512F__
+#ifdef GR_AVX512
     __m512 b = _mm512_set1_ps(bound);
     for (; c + 16 <= end; c += 16) {
         __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -182,7 +183,7 @@ long gr_screen(const uint16_t* a, int rows, long vocab, const float* slack, cons
     return kept;
 }
 
-#ifdef __AVX512F__
+#ifdef GR_AVX512
 typedef __m512 (*vexp16_t)(__m512);
 static vexp16_t gr_expf16;
 void gr_set_expf16(void* f) { gr_expf16 = (vexp16_t)f; }
@@ -355,16 +356,24 @@ def library():
     """The loaded kernels (ctypes), or None (switched off, no compiler, the build failed; logged once)."""
     if os.environ.get("GRAPHRUNNER_CPU_KERNELS", "1") == "0":
         return None
-    from models.native_build import compile_shared, compiler
+    from models.native_build import compiler
     cc = compiler()
     if cc is None:
         logger.info("CPU decode kernels off: no C compiler")
         return None
-    flags = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno"]
+    return build(cc)
+
+
+def build(cc: str, march: str = "native", out_dir=None):
+    """Compiles (or finds in the cache) and loads the kernels for `-march={march}`; None when that fails.
+    Tries with OpenMP first, then without (no libgomp to link): the same kernels, on one core."""
+    from models.native_build import compile_shared
+    flags = ["-O3", f"-march={march}", "-ffp-contract=off", "-fno-math-errno"]
+    key = _cpu_key() if march == "native" else b""
     lib = None
-    for extra in (["-fopenmp"], []):  # without OpenMP (no libgomp to link): the same kernels, on one core
+    for extra in (["-fopenmp"], []):
         try:
-            lib = ctypes.CDLL(str(compile_shared("cpu_kernels", _SOURCE, cc, flags + extra, key=_cpu_key())))
+            lib = ctypes.CDLL(str(compile_shared("cpu_kernels", _SOURCE, cc, flags + extra, key=key, out_dir=out_dir)))
             break
         except (OSError, subprocess.CalledProcessError) as exc:
             failure = getattr(exc, "stderr", "") or exc
@@ -381,7 +390,7 @@ def library():
             ("gr_decode_attention", [vp, i64, vp, i64, vp, i64, vp, i64, i32, i32, i32, i32, vp, i64, i32, vp, vp,
                                      i32, f32, vp], i32),
             ("gr_set_expf16", [vp], None)]:
-        if hasattr(lib, name):   # the last two only in an AVX-512 build
+        if hasattr(lib, name):   # the last three only in an AVX-512 build
             getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
     lib.vector_exp = _bind_torch_exp(lib)
     return lib

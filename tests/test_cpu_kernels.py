@@ -303,7 +303,7 @@ def test_a_compiler_without_openmp_builds_the_same_kernels_for_one_core(monkeypa
         tried.append("-fopenmp" in flags)
         if "-fopenmp" in flags:
             raise subprocess.CalledProcessError(1, cc, stderr="cannot find -lgomp")
-        return real(name, source, cc, flags, *args, out_dir=tmp_path, **kwargs)
+        return real(name, source, cc, flags, *args, **{**kwargs, "out_dir": tmp_path})
 
     b, key, value = _decode_batch([40, 7, 100], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=16, seed=31)
     cache = b.kv_cache.clone()
@@ -323,3 +323,38 @@ def test_a_compiler_without_openmp_builds_the_same_kernels_for_one_core(monkeypa
             cpu_kernels.library.cache_clear()
     if native:
         assert torch.equal(got, expected)
+
+
+@needs_kernels
+def test_a_build_without_avx512_keeps_the_portable_kernels_and_declines_the_rest(monkeypatch, tmp_path):
+    """What a CPU without AVX-512 builds (-march=x86-64-v2 here): norm, RoPE and the screen in plain C,
+    with the same answers; SiLU*mul and the attention decline, so torch's ops run."""
+    from models import native_build
+    from models.layers import _rotate, _screen_candidates
+    portable = cpu_kernels.build(native_build.compiler(), march="x86-64-v2", out_dir=tmp_path)
+    assert portable is not None and not portable.gr_has_avx512() and not portable.vector_exp
+    results = {}
+    gen = torch.Generator().manual_seed(41)
+    x, residual, weight = torch.randn(9, 200, generator=gen), torch.randn(9, 200, generator=gen), torch.randn(200)
+    qk = torch.randn(9, 5, 64, generator=gen)
+    positions = torch.randint(0, 100, (9,), generator=gen)
+    table = torch.randn(100, 64, generator=gen)
+    approx = (torch.randn(20, 3001, generator=gen) * 3).to(torch.bfloat16)
+    slack, norms = torch.rand(20, generator=gen) * 0.05, torch.rand(3001, generator=gen) + 0.5
+    b, key, value = _decode_batch([5, 20], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4, seed=42)
+    with torch.inference_mode():
+        for name, lib in [("native", cpu_kernels.library()), ("portable", portable)]:
+            monkeypatch.setattr(cpu_kernels, "library", lambda lib=lib: lib)
+            results[name] = (cpu_kernels.add_rms_norm(x, residual, weight, 1e-5), cpu_kernels.rope(qk, positions, table),
+                            cpu_kernels.screen_candidates(approx, slack, norms, float(norms.max())))
+        assert cpu_kernels.silu_mul(torch.randn(4, 64)) is None
+        assert not cpu_kernels.decode_attention(b.query, key, value, b.kv_cache, b.block_table, b.seq_lens,
+                                                b.slot_mapping, b.scale, torch.empty_like(b.query))
+    (out, summed), rotated, (ids, candidates, floor) = results["portable"]
+    (ref_out, ref_summed), ref_rotated, ref_screen = results["native"]
+    assert torch.equal(summed, ref_summed) and torch.equal(out, ref_out)
+    cos, sin = table[positions].chunk(2, dim=-1)
+    assert torch.equal(rotated, ref_rotated) and torch.equal(rotated, _rotate(qk, cos[:, None], sin[:, None], 64))
+    expected = _screen_candidates(approx.float(), slack, norms, float(norms.max()))
+    for got, want, also in zip((ids, candidates, floor), expected, ref_screen):
+        assert torch.equal(got, want) and torch.equal(got, also)
