@@ -103,8 +103,8 @@ def _layout(common: CommonAttentionMetadata, kv_cache: torch.Tensor | None, devi
             and kv_cache.dtype == torch.float32):
         if dense_kv is not None:
             dense_kv.reset()  # the C calls write the cache alone: the copy no longer follows it
-        return _StepLayout(actual, num_reqs, max_q, decode, None, None, None, None, 0, None, None, None,
-                           native_decode=True)
+        return _StepLayout(actual, num_reqs, max_q, decode, q_index=None, out_index=None, mask=None, kv_blocks=None,
+                           blocks=0, kv_index=None, slots=None, write_rows=None, native_decode=True)
     q_cols = torch.arange(max_q)
     q_valid = q_cols[None, :] < query_lens[:, None]
     q_index = torch.where(q_valid, qsl[:-1, None] + q_cols[None, :], 0).reshape(-1)
