@@ -451,7 +451,8 @@ def rope(qk: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> to
     None where it does not apply (not fp32 CPU, over MAX_ROWS rows, layout, autograd, kernels off)."""
     if not (qk.device.type == "cpu" and qk.dtype == torch.float32 and qk.dim() == 3 and 0 < qk.shape[0] <= MAX_ROWS
             and qk.stride(2) == 1 and qk.stride(1) == qk.shape[2] and qk.shape[2] % 2 == 0
-            and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous() and cos_sin.shape[1] == qk.shape[2]
+            and cos_sin.dtype == torch.float32 and cos_sin.device.type == "cpu" and cos_sin.is_contiguous()
+            and cos_sin.dim() == 2 and cos_sin.shape[1] == qk.shape[2]
             and positions.dtype == torch.int64 and positions.is_contiguous() and positions.device.type == "cpu"
             and positions.shape == (qk.shape[0],) and _untracked(qk)):
         return None
@@ -489,7 +490,7 @@ def screen_candidates(approx: torch.Tensor, slack: torch.Tensor, norms: torch.Te
     row norms [V]; None where it does not apply (kernels off, not bf16 / fp32 CPU, layout)."""
     if not (approx.device.type == "cpu" and approx.dtype == torch.bfloat16 and approx.dim() == 2
             and approx.is_contiguous() and slack.dtype == norms.dtype == torch.float32
-            and slack.is_contiguous() and norms.is_contiguous()
+            and slack.device.type == norms.device.type == "cpu" and slack.is_contiguous() and norms.is_contiguous()
             and slack.shape == (approx.shape[0],) and norms.shape == (approx.shape[1],)):
         return None
     lib = library()
