@@ -52,6 +52,28 @@ def test_greedy_tokens_match_hf(tiny, options):
         assert hit_rate == 0
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["c-attention", "torch-dense-copy"])
+@pytest.mark.parametrize("options", [
+    {},
+    {"max_num_batched_tokens": 32, "max_num_seqs": 4},          # decode and prefill chunks mixed
+    {"num_kv_blocks": 12, "max_model_len": 128},                 # preemption: blocks reused
+], ids=["default", "small-budget", "preemption"])
+def test_both_cpu_decode_attention_paths_give_hfs_tokens(tiny, options, native, monkeypatch):
+    """Decode steps take the C attention over the paged cache (models/cpu_kernels.py) where it is
+    built, or SDPA over the dense K/V copy; mixed and prefill steps always the latter. Either way,
+    across chunked prefill and preemption, the tokens are HF's."""
+    from models import cpu_kernels
+    if native and not cpu_kernels.native_attention():
+        pytest.skip("the C decode attention is not built here (no compiler or no AVX-512)")
+    path, prompts, expected = tiny
+    real, calls = cpu_kernels.decode_attention, []
+    monkeypatch.setattr(cpu_kernels, "native_attention", lambda: native)
+    monkeypatch.setattr(cpu_kernels, "decode_attention", lambda *args: calls.append(1) or real(*args))
+    llm = LLM(model=str(path), dtype="float32", device="cpu", **options)
+    assert _tokens(llm, prompts) == expected
+    assert bool(calls) == native
+
+
 def test_bad_requests_fail_alone(tiny):
     path, prompts, expected = tiny
     llm = LLM(model=str(path), dtype="float32", device="cpu", max_model_len=64)
