@@ -267,7 +267,8 @@ static inline __attribute__((always_inline)) void gr_attend(
             for (int t = 0; t < 16; t++) {
                 __m512 sum = _mm512_setzero_ps();
                 if (t < n)
-                    for (int c = 0; c < chunks; c++) sum = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(krow[t] + off + 16 * c), sum);
+                    for (int c = 0; c < chunks; c++)
+                        sum = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(krow[t] + off + 16 * c), sum);
                 part[t] = sum;
             }
             __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY),
@@ -284,7 +285,8 @@ static inline __attribute__((always_inline)) void gr_attend(
                                                                  _mm512_set1_ps(corr));
             for (int t = 0; t < n; t++) {
                 __m512 w = _mm512_set1_ps(p[t]);
-                for (int c = 0; c < chunks; c++) a[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vrow[t] + off + 16 * c), a[c]);
+                for (int c = 0; c < chunks; c++)
+                    a[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vrow[t] + off + 16 * c), a[c]);
             }
             for (int c = 0; c < chunks; c++) _mm512_storeu_ps(acc + (size_t)hq * dim + 16 * c, a[c]);
         }
@@ -464,7 +466,8 @@ def rope(qk: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> to
     bad = lib.gr_rope(qk.data_ptr(), qk.stride(0), rows, heads, dim, positions.data_ptr(), cos_sin.data_ptr(),
                       cos_sin.shape[0], out.data_ptr())
     if bad:
-        raise IndexError(f"position {int(positions[bad - 1])} is outside the rotary table of {cos_sin.shape[0]} positions")
+        raise IndexError(f"position {int(positions[bad - 1])} is outside the rotary table of "
+                         f"{cos_sin.shape[0]} positions")
     return out
 
 
@@ -525,7 +528,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     kv_cache [2, num_blocks, block_size, Hkv, D] at slots [R] (-1: skipped), then out [R, Hq, D] =
     attention of query [R, Hq, D] (one token per request, already rotated) over each request's
     seq_lens[r] cached positions through block_table [R, W] (int32). False where it does not apply
-    (not fp32 CPU, layout, head_dim not a multiple of 16, see `native_attention`): nothing was done. Out-of-range slots, lengths or block ids raise IndexError."""
+    (not fp32 CPU, layout, head_dim not a multiple of 16, see `native_attention`): nothing was done.
+    Out-of-range slots, lengths or block ids raise IndexError."""
     rows, heads, dim = query.shape if query.dim() == 3 else (0, 0, 0)
     kv_heads = kv_cache.shape[3] if kv_cache.dim() == 5 else 0
     if not (rows > 0 and dim % 16 == 0 and kv_heads and heads % kv_heads == 0

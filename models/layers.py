@@ -344,21 +344,30 @@ class RotaryEmbedding(nn.Module):
         return kernels.rope_and_cache(positions, q, k, v, self.cos_sin_cache, kv_cache, slot_mapping)
 
     def begin_step(self, positions: torch.Tensor) -> None:
-        """Gather this step's cos/sin rows once for every layer (the model calls it before its
-        layers and `end_step` after); the torch reference path then reads them."""
-        if positions.is_cuda and fused(positions) is not None:
-            return  # the fused kernels index the table themselves
-        cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        signed = None
-        if positions.numel() <= ROPE_SIGNED_MAX_ROWS and self.rotary_dim % 2 == 0:
-            signed = (torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1))
-        self._step = (positions, cos, sin, signed)
+        """Marks this step's positions (the model calls it before its layers and `end_step` after):
+        the torch reference path gathers their cos/sin rows on its first call and every layer reuses
+        them. A step whose layers all take a kernel (CUDA, or the C RoPE) gathers nothing."""
+        self._step = (positions, None)
 
     def end_step(self) -> None:
         self._step = None
 
     _step: tuple | None = None
+
+    def _tables(self, positions: torch.Tensor) -> tuple:
+        """(cos, sin, signed) of `positions`, [T, 1, D/2] each, signed = ([cos, cos], [-sin, sin]) for
+        `_rotate_signed` or None (long steps, odd rotary_dim); gathered once per step."""
+        step = self._step
+        if step is not None and step[0] is positions and step[1] is not None:
+            return step[1]
+        cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        signed = None
+        if positions.numel() <= ROPE_SIGNED_MAX_ROWS and self.rotary_dim % 2 == 0:
+            signed = (torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1))
+        if step is not None and step[0] is positions:
+            self._step = (positions, (cos, sin, signed))
+        return cos, sin, signed
 
     def reference(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         qk = _adjacent_heads(q, k)  # q and k side by side in one projection row: one pass for both
@@ -366,13 +375,7 @@ class RotaryEmbedding(nn.Module):
             out = cpu_kernels.rope(qk, positions, self.cos_sin_cache)  # a CPU decode step: one C pass
             if out is not None:
                 return out[:, :q.shape[1]], out[:, q.shape[1]:]
-        step = self._step
-        signed = None
-        if step is not None and step[0] is positions:
-            cos, sin, signed = step[1], step[2], step[3]
-        else:
-            cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
-            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        cos, sin, signed = self._tables(positions)
         if qk is not None:
             if signed is not None and qk.dtype == torch.float32 and self.rotary_dim == qk.shape[-1]:
                 out = _rotate_signed(qk, *signed)

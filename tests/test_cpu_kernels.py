@@ -93,12 +93,9 @@ def test_c_rope_is_bit_identical_to_the_torch_rotation():
     with torch.inference_mode():
         qk = _adjacent_heads(q, k)
         got = cpu_kernels.rope(qk, positions, rotary.cos_sin_cache)
-        rotary.begin_step(positions)
-        *_, signed = rotary._step[1:]
-        rotary.end_step()
-        cos, sin = rotary.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+        cos, sin, signed = rotary._tables(positions)
         assert torch.equal(got, _rotate_signed(qk, *signed))
-        assert torch.equal(got, _rotate(qk, cos.unsqueeze(1), sin.unsqueeze(1), dim))   # HF's rounding
+        assert torch.equal(got, _rotate(qk, cos, sin, dim))   # HF's rounding
         rq, rk = rotary(positions, q, k)             # the module's CPU path takes the kernel
         assert torch.equal(rq, got[:, :hq]) and torch.equal(rk, got[:, hq:])
         with pytest.raises(IndexError, match="position 512 is outside the rotary table of 512"):
@@ -345,8 +342,9 @@ def test_a_build_without_avx512_keeps_the_portable_kernels_and_declines_the_rest
     with torch.inference_mode():
         for name, lib in [("native", cpu_kernels.library()), ("portable", portable)]:
             monkeypatch.setattr(cpu_kernels, "library", lambda lib=lib: lib)
-            results[name] = (cpu_kernels.add_rms_norm(x, residual, weight, 1e-5), cpu_kernels.rope(qk, positions, table),
-                            cpu_kernels.screen_candidates(approx, slack, norms, float(norms.max())))
+            results[name] = (cpu_kernels.add_rms_norm(x, residual, weight, 1e-5),
+                             cpu_kernels.rope(qk, positions, table),
+                             cpu_kernels.screen_candidates(approx, slack, norms, float(norms.max())))
         assert cpu_kernels.silu_mul(torch.randn(4, 64)) is None
         assert not cpu_kernels.decode_attention(b.query, key, value, b.kv_cache, b.block_table, b.seq_lens,
                                                 b.slot_mapping, b.scale, torch.empty_like(b.query))

@@ -19,7 +19,8 @@ attention a step (the mask, the dense copy's upkeep and SDPA's padded read are g
 Otherwise (prefill and mixed steps, or no C kernels), keys and values are also kept in a dense
 per-layer copy ([request row, position], `_DenseKV`), so a step appends its new tokens there instead
 of gathering every request's whole context out of the paged cache in every layer (the gather was the
-largest cost after the matmuls; a C decode step drops the copy, which it would not keep up to date). The paged cache stays the source of truth: a row is read from the copy only while
+largest cost after the matmuls; a C decode step drops the copy, which it would not keep up to
+date). The paged cache stays the source of truth: a row is read from the copy only while
 bookkeeping proves it equal to the cache (same slots, no write to them since), else it is
 gathered again; the copy is dropped when it would exceed 1/8 of the layer's cache.
 Shapes depend on max_seq_len, so FULL graphs can't hold it (support NEVER); as a PIECEWISE
