@@ -3,7 +3,7 @@
 from configs.engine_config import (CacheConfig, CompilationConfig, EngineConfig, ModelConfig,
                                    ParallelConfig, SchedulerConfig)
 from configs.graph_mode import CUDAGraphMode
-from configs.sampling_params import SamplingParams
+from configs.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["CUDAGraphMode", "CacheConfig", "CompilationConfig", "EngineConfig", "ModelConfig",
-           "ParallelConfig", "SamplingParams", "SchedulerConfig"]
+           "ParallelConfig", "RequestOutputKind", "SamplingParams", "SchedulerConfig"]

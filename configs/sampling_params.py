@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import enum
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput of a request carries (vLLM's names and values)."""
+    CUMULATIVE = 0
+    """Everything generated so far."""
+    DELTA = 1
+    """Only the text and token ids new since the request's previous output."""
+    FINAL_ONLY = 2
+    """One output, when the request finishes."""
 
 
 class SamplingParams(BaseModel):
@@ -27,6 +39,7 @@ class SamplingParams(BaseModel):
     seed: int | None = Field(None, ge=0)
     logprobs: int | None = Field(None, ge=0, le=100)
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -38,13 +38,14 @@ def _generate(args: argparse.Namespace) -> int:
             outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - started
     for prompt, output in zip(prompts, outputs):
+        completion = output.outputs[0]
         if args.json:
-            print(json.dumps({"prompt": prompt, "text": output.text, "token_ids": output.token_ids,
-                              "finish_reason": output.finish_reason, "error": output.error}))
+            print(json.dumps({"prompt": prompt, "text": completion.text, "token_ids": completion.token_ids,
+                              "finish_reason": completion.finish_reason, "error": output.error}))
         else:
-            print(f"### {prompt}\n{output.text if output.error is None else 'ERROR: ' + output.error}"
-                  f"\n[{output.finish_reason}, {len(output.token_ids)} tokens]\n")
-    tokens = sum(len(o.token_ids) for o in outputs)
+            print(f"### {prompt}\n{completion.text if output.error is None else 'ERROR: ' + output.error}"
+                  f"\n[{completion.finish_reason}, {len(completion.token_ids)} tokens]\n")
+    tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     print(f"{len(outputs)} requests, {tokens} tokens in {seconds:.2f} s ({tokens / seconds:.1f} tok/s)",
           file=sys.stderr)
     return 0

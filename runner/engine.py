@@ -11,7 +11,7 @@ from pathlib import Path
 from configs import EngineConfig, SamplingParams
 from models.hf_config import load_hf_config, model_spec, resolve_max_model_len
 from runner.detokenizer import IncrementalDetokenizer
-from runner.outputs import PendingOutput, RequestMetrics, RequestOutput
+from runner.outputs import CompletionOutput, PendingOutput, RequestMetrics, RequestOutput
 from runner.platform import resolve_device, resolve_dtype
 from runner.request import Request, RequestStatus
 from runner.scheduler import Scheduler
@@ -28,8 +28,10 @@ class _Tracked:
     request: Request
     detokenizer: IncrementalDetokenizer | None
     """None without a tokenizer: there is no text to keep."""
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[dict] | None
+    """Per generated token {token id: Logprob}, when the request asked for logprobs."""
     metrics: RequestMetrics
+    cumulative_logprob: float = 0.0
 
 
 def resolve_model_path(model: str) -> str:
@@ -249,7 +251,12 @@ class LLMEngine:
         if metrics.first_token_time is None:
             metrics.first_token_time = now
         if tracked.logprobs is not None and request.request_id in result.logprobs:
-            tracked.logprobs.append(result.logprobs[request.request_id])
+            entry = result.logprobs[request.request_id]
+            tracked.cumulative_logprob += next(iter(entry.values())).logprob  # the sampled token comes first
+            if self.tokenizer is not None:
+                for token, logprob in entry.items():
+                    logprob.decoded_token = self.tokenizer.decode([token])
+            tracked.logprobs.append(entry)
         if tracked.detokenizer is not None:
             stop = tracked.detokenizer.update(request.output_token_ids)
             if stop is not None and request.status is not RequestStatus.FINISHED:
@@ -262,12 +269,14 @@ class LLMEngine:
     def _output(self, tracked: _Tracked) -> RequestOutput:
         request = tracked.request
         tokens = request.output_token_ids  # only ever grows: the output copies its prefix when read
+        logprobs = tracked.logprobs
         # Positional: keyword arguments would add a third to the cost of this per-request, per-step call.
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
-                             tracked.detokenizer.text if tracked.detokenizer is not None else "",
-                             tokens, request.status is RequestStatus.FINISHED, request.finish_reason,
-                             request.stop_reason, tracked.logprobs[:] if tracked.logprobs is not None else None,
-                             tracked.metrics, None, len(tokens))
+        completion = CompletionOutput(0, tracked.detokenizer.text if tracked.detokenizer is not None else "",
+                                      tokens, tracked.cumulative_logprob if logprobs is not None else None,
+                                      logprobs[:] if logprobs is not None else None, request.finish_reason,
+                                      request.stop_reason, len(tokens))
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, None, [completion],
+                             request.status is RequestStatus.FINISHED, tracked.metrics)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

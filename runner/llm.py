@@ -9,15 +9,40 @@ from tqdm.auto import tqdm
 
 from configs import EngineConfig, SamplingParams
 from runner.engine import InvalidRequestError, LLMEngine
-from runner.outputs import RequestOutput
+from runner.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int]
+PromptType = str | list[int] | dict
+"""A prompt as vLLM takes it: text, token ids, {"prompt": text} (TextPrompt) or
+{"prompt_token_ids": [...]} (TokensPrompt)."""
+
+
+def _normalize_prompts(prompts) -> list[PromptType]:
+    """One prompt or a list of them -> a list (a list of ints is one token-id prompt)."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]
+    return prompts
+
+
+def _engine_prompt(prompt: PromptType) -> str | list[int]:
+    """The text or token ids inside a vLLM-style prompt; a malformed one raises ValueError."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids'; got keys {sorted(prompt)}")
+    if isinstance(prompt, (str, list, tuple)):
+        return prompt if isinstance(prompt, str) else list(prompt)
+    raise ValueError(f"a prompt is a string, a list of token ids or a dict; got {type(prompt).__name__}")
 
 
 class LLM:
-    """`LLM(model="path" | "default", **engine_options).generate(prompts, params)`.
+    """`LLM(model="path" | "default", **engine_options).generate(prompts, sampling_params)`, as in vLLM.
 
     Options are EngineConfig's fields by name (dtype, device, cudagraph_mode, max_model_len,
     block_size, max_num_seqs, async_scheduling, ...). Use as a context manager, or call shutdown(),
@@ -30,28 +55,29 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Outputs in input order. A prompt the engine refuses (empty, too long, out-of-vocabulary ids)
         comes back finished with reason "abort" and `error` set; the others run normally."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _normalize_prompts(prompts)
+        params = sampling_params
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
+        params = list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         results: dict[int, RequestOutput] = {}
         ids: dict[str, int] = {}
         for index, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                ids[self.engine.add_request(prompt, p)] = index
-            except InvalidRequestError as error:
+                ids[self.engine.add_request(_engine_prompt(prompt), p)] = index
+            except (InvalidRequestError, ValueError) as error:
                 logger.warning("%s", error)
-                token_ids = list(prompt) if not isinstance(prompt, str) else []
-                results[index] = RequestOutput(request_id=f"rejected-{index}", prompt=prompt if isinstance(prompt, str)
-                                               else None, prompt_token_ids=token_ids, text="", token_ids=[],
-                                               finished=True, finish_reason="abort", error=str(error))
+                results[index] = self._rejected(index, prompt, error)
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req")
         try:
             while self.engine.has_unfinished_requests():
@@ -65,16 +91,26 @@ class LLM:
                 self.engine.abort_request(request_id)
         return [results[i] for i in range(len(prompts))]
 
-    def chat(self, conversations: list[dict] | list[list[dict]], params: SamplingParams | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template (with the generation prompt) and generate."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]
+    @staticmethod
+    def _rejected(index: int, prompt: PromptType, error: Exception) -> RequestOutput:
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt if isinstance(prompt, str) else None
+        token_ids = prompt.get("prompt_token_ids", []) if isinstance(prompt, dict) else (
+            [] if isinstance(prompt, str) else list(prompt))
+        completion = CompletionOutput(0, "", [], finish_reason="abort")
+        return RequestOutput(f"rejected-{index}", text if isinstance(text, str) else None, list(token_ids), None,
+                             [completion], True, error=str(error))
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template (with the generation prompt) and generate; one
+        conversation (a list of messages) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this checkpoint has none")
-        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True,
+                                                      **(chat_template_kwargs or {}))
                    for c in conversations]
-        return self.generate(prompts, params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -28,7 +28,7 @@ from runner.cudagraph import (CUDA_GRAPHS, BatchDescriptor, CapturePhase, CUDAGr
                               capture_all, default_capture_sizes, graph_pool,
                               measure_graph_memory, prime_capture_stream, resolve_cudagraph_mode)
 from runner.input_batch import InputBatch
-from runner.outputs import ModelRunnerOutput, PendingOutput
+from runner.outputs import Logprob, ModelRunnerOutput, PendingOutput
 from runner.sampler import Sampler, SamplingMetadata, argmax_rows, make_generator
 from runner.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -437,7 +437,8 @@ class ModelRunner:
         host_logprobs = None
         if logprobs is not None:
             host_logprobs = [t.to("cpu", non_blocking=True) for t in (logprobs.topk_token_ids, logprobs.topk_logprobs,
-                                                                       logprobs.sampled_logprobs)]
+                                                                       logprobs.sampled_logprobs,
+                                                                       logprobs.sampled_ranks)]
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
@@ -448,8 +449,9 @@ class ModelRunner:
             token_ids = host.tolist()
             output = ModelRunnerOutput(dict(zip(request_ids, token_ids)))
             if host_logprobs is not None:
-                top_ids, top_lps, sampled_lps = (t.tolist() for t in host_logprobs)
-                output.logprobs = self._logprobs_entries(reqs, rows, token_ids, sampled_lps, top_ids, top_lps)
+                top_ids, top_lps, sampled_lps, sampled_ranks = (t.tolist() for t in host_logprobs)
+                output.logprobs = self._logprobs_entries(reqs, rows, token_ids, sampled_lps, sampled_ranks, top_ids,
+                                                         top_lps)
             return output
 
         return PendingOutput(finish, event, sampled)
@@ -476,16 +478,21 @@ class ModelRunner:
         lp = result.logprobs
         top_ids, top_lps = lp.topk_token_ids.tolist(), lp.topk_logprobs.tolist()
         sampled_ids, sampled_lps = result.sampled_token_ids.tolist(), lp.sampled_logprobs.tolist()
-        return ModelRunner._logprobs_entries(reqs, rows, sampled_ids, sampled_lps, top_ids, top_lps)
+        return ModelRunner._logprobs_entries(reqs, rows, sampled_ids, sampled_lps, lp.sampled_ranks.tolist(),
+                                             top_ids, top_lps)
 
     @staticmethod
-    def _logprobs_entries(reqs, rows, sampled_ids, sampled_lps, top_ids, top_lps) -> dict[str, dict[int, float]]:
+    def _logprobs_entries(reqs, rows, sampled_ids, sampled_lps, sampled_ranks, top_ids,
+                          top_lps) -> dict[str, dict[int, Logprob]]:
+        """{request id: {token id: Logprob}}: the sampled token first (with its rank), then the top-k
+        (ranks 1..k), as vLLM returns them."""
         out = {}
         for row, i in enumerate(rows):
             k = reqs[i].sampling_params.logprobs
             if k is None:
                 continue
-            entry = {sampled_ids[row]: sampled_lps[row]}
-            entry.update(zip(top_ids[row][:k], top_lps[row][:k]))
+            entry = {sampled_ids[row]: Logprob(sampled_lps[row], sampled_ranks[row])}
+            for rank, (token, value) in enumerate(zip(top_ids[row][:k], top_lps[row][:k]), start=1):
+                entry.setdefault(token, Logprob(value, rank))
             out[reqs[i].request_id] = entry
         return out

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 class ModelRunnerOutput:
     """Sampled tokens of the requests that sampled this step (the last pipeline rank's answer)."""
     sampled: dict[str, int]
-    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
-    """request id -> {token id: logprob} for the sampled token and the top-k, when asked."""
+    logprobs: dict[str, dict[int, "Logprob"]] = field(default_factory=dict)
+    """request id -> {token id: Logprob (logprob, rank; no text)} for the sampled token and the
+    top-k, when asked."""
 
 
 class PendingOutput:
@@ -57,34 +58,44 @@ class RequestMetrics:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
 
-class RequestOutput:
-    """One request's state after a step (cumulative: text and token_ids hold everything so far).
+@dataclass(slots=True)
+class Logprob:
+    """vLLM's Logprob: one token's log-probability, its rank in the step's distribution (1 = most
+    likely) and its text (filled by the engine, which holds the tokenizer)."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
-    The engine makes one per request per step, so it does not copy the request's tokens each
-    time (that costs O(length) per step, 10 µs a step at batch 32 and 200 tokens): it passes the
-    request's own list, which only ever grows, with its length at this step (`num_token_ids`),
-    and `token_ids` copies that prefix when first read. Given a plain list (no `num_token_ids`),
-    `token_ids` is that list."""
 
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "text", "finished", "finish_reason", "stop_reason",
-                 "logprobs", "metrics", "error", "_token_ids", "_num_token_ids")
+SampleLogprobs = list[dict[int, Logprob]]
+"""Per generated token: {token id: Logprob} for the sampled token and the top-k."""
+PromptLogprobs = list[dict[int, Logprob] | None]
+"""Per prompt token: None for the first (nothing predicts it), then {token id: Logprob}."""
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], text: str,
-                 token_ids: list[int], finished: bool, finish_reason: str | None = None,
-                 stop_reason: str | int | None = None, logprobs: list[dict[int, float]] | None = None,
-                 metrics: RequestMetrics | None = None, error: str | None = None,
-                 num_token_ids: int | None = None) -> None:
-        self.request_id, self.prompt, self.prompt_token_ids, self.text = request_id, prompt, prompt_token_ids, text
+
+class CompletionOutput:
+    """One completion of a request (vLLM's CompletionOutput; `n` completions share a prompt).
+
+    The engine makes one per completion per step, so it does not copy the tokens each time
+    (O(length) per step): it passes the request's own list, which only ever grows, with its
+    length at this step (`num_token_ids`), and `token_ids` copies that prefix when first read.
+    Given a plain list (no `num_token_ids`), `token_ids` is that list."""
+
+    __slots__ = ("index", "text", "cumulative_logprob", "logprobs", "finish_reason", "stop_reason",
+                 "_token_ids", "_num_token_ids")
+
+    def __init__(self, index: int, text: str, token_ids: list[int], cumulative_logprob: float | None = None,
+                 logprobs: SampleLogprobs | None = None, finish_reason: str | None = None,
+                 stop_reason: str | int | None = None, num_token_ids: int | None = None) -> None:
+        self.index, self.text = index, text
         self._token_ids, self._num_token_ids = token_ids, num_token_ids
-        self.finished = finished
-        self.finish_reason = finish_reason
-        """"stop" | "length" | "abort" once finished."""
-        self.stop_reason = stop_reason
-        """The stop string or token id that ended it, if any."""
+        self.cumulative_logprob = cumulative_logprob
+        """Sum of the sampled tokens' logprobs; None unless the request asked for logprobs."""
         self.logprobs = logprobs
-        self.metrics = metrics
-        self.error = error
-        """Why the request was rejected (finish_reason "abort"); the engine goes on serving others."""
+        self.finish_reason = finish_reason
+        """"stop" | "length" | "abort" once finished, else None."""
+        self.stop_reason = stop_reason
+        """The stop string or stop token id that ended it; None for EOS, lengths and aborts."""
 
     @property
     def token_ids(self) -> list[int]:
@@ -96,8 +107,41 @@ class RequestOutput:
     def token_ids(self, value: list[int]) -> None:
         self._token_ids, self._num_token_ids = value, None
 
-    _FIELDS = ("request_id", "prompt", "prompt_token_ids", "text", "token_ids", "finished", "finish_reason",
-               "stop_reason", "logprobs", "metrics", "error")
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    _FIELDS = ("index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_reason")
+
+    def __eq__(self, other) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return all(getattr(self, name) == getattr(other, name) for name in self._FIELDS)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._FIELDS)
+        return f"CompletionOutput({fields})"
+
+
+class RequestOutput:
+    """One request's state after a step (vLLM's RequestOutput): the prompt, and one
+    CompletionOutput per completion in `outputs`."""
+
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "prompt_logprobs", "outputs", "finished", "metrics",
+                 "error")
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 prompt_logprobs: PromptLogprobs | None, outputs: list[CompletionOutput], finished: bool,
+                 metrics: RequestMetrics | None = None, error: str | None = None) -> None:
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.prompt_logprobs = prompt_logprobs
+        self.outputs = outputs
+        self.finished = finished
+        self.metrics = metrics
+        self.error = error
+        """Why the request failed or was rejected (finish_reason "abort"); the engine goes on serving others."""
+
+    _FIELDS = ("request_id", "prompt", "prompt_token_ids", "prompt_logprobs", "outputs", "finished", "metrics",
+               "error")
 
     def __eq__(self, other) -> bool:
         if other.__class__ is not self.__class__:

@@ -52,7 +52,7 @@ def serve(llm, num_requests: int, utilization: float) -> dict:
     torch.cuda.reset_peak_memory_stats()
     started, oom, tokens = time.perf_counter(), False, 0
     try:
-        tokens = sum(len(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False))
+        tokens = sum(len(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False))
     except torch.OutOfMemoryError as error:
         oom = f"OOM: {str(error).splitlines()[0]}"
     total = torch.cuda.mem_get_info()[1]

@@ -118,7 +118,7 @@ class EngineSide:
         started = time.perf_counter()
         outs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
         seconds = time.perf_counter() - started
-        assert all(len(o.token_ids) == self.tokens for o in outs)
+        assert all(len(o.outputs[0].token_ids) == self.tokens for o in outs)
         return len(self.prompts) * self.tokens / seconds
 
 
@@ -155,7 +155,7 @@ def lockstep(engine: EngineSide, hf: HFSide, run: int) -> tuple[float, float]:
     while llm_engine.has_unfinished_requests():  # HF was done first: the engine's remaining steps
         engine_seconds += engine_step()
     assert out.shape[1] - hf.batch["input_ids"].shape[1] == hf.tokens
-    assert len(finished) == len(engine.prompts) and all(len(o.token_ids) == engine.tokens for o in finished)
+    assert len(finished) == len(engine.prompts) and all(len(o.outputs[0].token_ids) == engine.tokens for o in finished)
     work = len(engine.prompts) * engine.tokens
     return work / engine_seconds, work / hf_seconds
 

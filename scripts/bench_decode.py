@@ -288,7 +288,7 @@ def bench_engine_batch(llm, shape: str, mode: str, batch_size: int, args) -> Row
 
     started: set[str] = set()
     for _ in range(prefill_bound + 2):  # async: the first step() returns nothing
-        started.update(o.request_id for o in engine.step() if o.token_ids)
+        started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
         if len(started) == batch_size:
             break
     else:
@@ -309,7 +309,7 @@ def bench_engine_batch(llm, shape: str, mode: str, batch_size: int, args) -> Row
             if step >= args.warmup:
                 walls.append(wall * 1e3)
                 waits.append(marks.waited_s * 1e3)
-                contexts.append(statistics.fmean(args.prompt_len + len(o.token_ids) for o in outputs))
+                contexts.append(statistics.fmean(args.prompt_len + len(o.outputs[0].token_ids) for o in outputs))
     finally:
         marks.restore()
         for request_id in ids:

@@ -143,7 +143,7 @@ def start_decoding(engine, batch_size: int, args, tag: str) -> list[str]:
                               request_id=f"{tag}-{i}") for i in range(batch_size)]
     started: set[str] = set()
     while len(started) < batch_size:
-        started.update(o.request_id for o in engine.step() if o.token_ids)
+        started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
     return ids
 
 

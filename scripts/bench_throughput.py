@@ -123,11 +123,11 @@ def main(argv: list[str] | None = None) -> dict:
         finally:
             llm.shutdown()
 
-    short = [(i, len(o.token_ids), p.max_tokens) for i, (o, p) in enumerate(zip(outputs, params))
-             if len(o.token_ids) != p.max_tokens]
+    short = [(i, len(o.outputs[0].token_ids), p.max_tokens) for i, (o, p) in enumerate(zip(outputs, params))
+             if len(o.outputs[0].token_ids) != p.max_tokens]
     if short:
         raise RuntimeError(f"requests stopped short of max_tokens (index, got, wanted): {short[:5]}")
-    output_tokens = sum(len(o.token_ids) for o in outputs)
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     input_tokens = sum(len(p) for p in prompts)
     result = {
         "shape": args.shape, "num_layers": args.num_layers or SHAPES[args.shape]["num_hidden_layers"],

@@ -327,7 +327,7 @@ def smollm2_engines():
 
 
 def _view(out):
-    return out.token_ids, out.text, out.finished, out.finish_reason, out.stop_reason, out.logprobs
+    return out.outputs[0].token_ids, out.outputs[0].text, out.finished, out.outputs[0].finish_reason, out.outputs[0].stop_reason, out.outputs[0].logprobs
 
 
 def generate_both(engines, prompts, params):
@@ -360,9 +360,9 @@ def test_greedy_mixed_lengths_and_logprobs(smollm2_engines):
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (1, 7, 16, 3, 12)]
     params[2] = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
     outs = generate_both(engines, prompts, params)
-    assert [len(o.token_ids) for o in outs] == [1, 7, 16, 3, 12]
-    assert len(outs[2].logprobs) == 16 and all(len(entry) >= 3 for entry in outs[2].logprobs)
-    assert all(o.finish_reason == "length" and o.metrics.first_token_latency > 0 for o in outs)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 7, 16, 3, 12]
+    assert len(outs[2].outputs[0].logprobs) == 16 and all(len(entry) >= 3 for entry in outs[2].outputs[0].logprobs)
+    assert all(o.outputs[0].finish_reason == "length" and o.metrics.first_token_latency > 0 for o in outs)
 
 
 def test_seeded_sampling(smollm2_engines):
@@ -371,16 +371,16 @@ def test_seeded_sampling(smollm2_engines):
               for i in range(3)]
     params[1] = SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=12, ignore_eos=True, logprobs=2)
     outs = generate_both(engines, prompts[:3], params)
-    assert all(len(o.token_ids) == 12 for o in outs)
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
 
 
 def test_stop_strings_stop_ids_eos_min_and_max_tokens(smollm2_engines):
     engines, prompts = smollm2_engines
     reference = engines[False].generate(prompts, SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)
-    assert "Paris" in reference[0].text and any(o.finish_reason == "stop" for o in reference)  # EOS ends some
-    stop_id = reference[2].token_ids[4]
-    eos = next(i for i in (1, 3) if reference[i].finish_reason == "stop")  # plain params below: EOS
-    eos_at = len(reference[eos].token_ids)  # its EOS is the last of these
+    assert "Paris" in reference[0].outputs[0].text and any(o.outputs[0].finish_reason == "stop" for o in reference)  # EOS ends some
+    stop_id = reference[2].outputs[0].token_ids[4]
+    eos = next(i for i in (1, 3) if reference[i].outputs[0].finish_reason == "stop")  # plain params below: EOS
+    eos_at = len(reference[eos].outputs[0].token_ids)  # its EOS is the last of these
     params = [SamplingParams(temperature=0.0, max_tokens=40, stop=["Paris"]),
               SamplingParams(temperature=0.0, max_tokens=40),
               SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop_id]),
@@ -388,12 +388,12 @@ def test_stop_strings_stop_ids_eos_min_and_max_tokens(smollm2_engines):
               SamplingParams(temperature=0.0, max_tokens=5),
               SamplingParams(temperature=0.0, max_tokens=eos_at + 4, min_tokens=eos_at + 2)]
     outs = generate_both(engines, prompts + [prompts[eos]], params)
-    assert outs[0].finish_reason == "stop" and outs[0].stop_reason == "Paris" and "Paris" not in outs[0].text
-    assert outs[eos].token_ids == reference[eos].token_ids and outs[eos].finish_reason == "stop"  # EOS
-    assert outs[2].stop_reason == stop_id and outs[2].token_ids[-1] == stop_id
-    assert len(outs[4].token_ids) == 5 and outs[4].finish_reason == "length"
-    assert len(outs[5].token_ids) >= eos_at + 2  # the EOS within min_tokens did not stop it
-    assert outs[5].token_ids[:eos_at - 1] == reference[eos].token_ids[:-1]
+    assert outs[0].outputs[0].finish_reason == "stop" and outs[0].outputs[0].stop_reason == "Paris" and "Paris" not in outs[0].outputs[0].text
+    assert outs[eos].outputs[0].token_ids == reference[eos].outputs[0].token_ids and outs[eos].outputs[0].finish_reason == "stop"  # EOS
+    assert outs[2].outputs[0].stop_reason == stop_id and outs[2].outputs[0].token_ids[-1] == stop_id
+    assert len(outs[4].outputs[0].token_ids) == 5 and outs[4].outputs[0].finish_reason == "length"
+    assert len(outs[5].outputs[0].token_ids) >= eos_at + 2  # the EOS within min_tokens did not stop it
+    assert outs[5].outputs[0].token_ids[:eos_at - 1] == reference[eos].outputs[0].token_ids[:-1]
 
 
 def test_chunked_prefill_small_budget(smollm2_engines):
@@ -401,7 +401,7 @@ def test_chunked_prefill_small_budget(smollm2_engines):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     with token_budget(engines, 16):
         outs = generate_both(engines, prompts[2:5], params)
-    assert all(len(o.token_ids) == 6 for o in outs)
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
 
 
 def test_prefix_caching_shared_prefixes(smollm2_engines):
@@ -422,7 +422,7 @@ def test_preemption_in_a_small_cache(smollm2_engines):
     before = {mode: llm.engine.scheduler.num_preemptions for mode, llm in engines.items()}
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     outs = generate_both(engines, prompts, params)  # 5 x (31-39 + 48) tokens > 320, shared system prompt or not
-    assert all(len(o.token_ids) == 48 for o in outs)
+    assert all(len(o.outputs[0].token_ids) == 48 for o in outs)
     for mode, llm in engines.items():
         assert llm.engine.scheduler.num_preemptions > before[mode]
     assert engines[True].engine.scheduler.num_drains > 0
@@ -440,7 +440,7 @@ def _step_until(engine, predicate, max_steps=200):
 def test_abort_while_in_flight(smollm2_engines):
     engines, prompts = smollm2_engines
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    expected = [o.token_ids for o in engines[False].generate(prompts[:2], params, use_tqdm=False)]
+    expected = [o.outputs[0].token_ids for o in engines[False].generate(prompts[:2], params, use_tqdm=False)]
     engine = engines[True].engine
     engine.add_request(prompts[0], params, request_id="keep")
     engine.add_request(prompts[1], params, request_id="drop")
@@ -449,13 +449,13 @@ def test_abort_while_in_flight(smollm2_engines):
     outs = _step_until(engine, lambda: drop.num_output_tokens >= 3)
     assert drop.num_output_placeholders == 1 and engine._in_flight is not None  # its next token is in flight
     aborted = engine.abort_request("drop")
-    assert aborted.finished and aborted.finish_reason == "abort" and aborted.token_ids == expected[1][:3]
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort" and aborted.outputs[0].token_ids == expected[1][:3]
     while engine.has_unfinished_requests():
         outs += engine.step()
     keep = [o for o in outs if o.request_id == "keep"]
-    assert keep[-1].token_ids == expected[0] and keep[-1].finished
-    assert [len(o.token_ids) for o in keep] == list(range(1, 11))  # one output per token, in order
-    assert all(len(o.token_ids) <= 3 for o in outs if o.request_id == "drop")
+    assert keep[-1].outputs[0].token_ids == expected[0] and keep[-1].finished
+    assert [len(o.outputs[0].token_ids) for o in keep] == list(range(1, 11))  # one output per token, in order
+    assert all(len(o.outputs[0].token_ids) <= 3 for o in outs if o.request_id == "drop")
     assert engine.scheduler.kv.usage == 0.0 and not engine.model_runner.generators
 
 
@@ -479,7 +479,7 @@ def test_a_failed_launch_or_resolve_loses_nothing(smollm2_engines):
     arrive is forgotten with the step launched after it. The engine then serves the same tokens."""
     engines, prompts = smollm2_engines
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    expected = [o.token_ids for o in engines[False].generate(prompts[:3], params, use_tqdm=False)]
+    expected = [o.outputs[0].token_ids for o in engines[False].generate(prompts[:3], params, use_tqdm=False)]
     engine = engines[True].engine
     real, calls = engine.executor.execute_async, []
 
@@ -507,7 +507,7 @@ def test_a_failed_launch_or_resolve_loses_nothing(smollm2_engines):
     finally:
         engine.executor.execute_async = real
     assert failures == ["injected launch failure", "injected resolve failure"]
-    assert [done[f"f{i}"].token_ids for i in range(3)] == expected
+    assert [done[f"f{i}"].outputs[0].token_ids for i in range(3)] == expected
     assert engine.scheduler.kv.usage == 0.0 and engine.scheduler.num_steps_pending == 0
 
 
@@ -537,7 +537,7 @@ def test_cuda_async_matches_sync_and_never_syncs_in_a_launch(tmp_path, mode):
         engine = llm.engine
         if setting is False:
             greedy = llm.generate([prompts[2]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
-                                  use_tqdm=False)[0].token_ids
+                                  use_tqdm=False)[0].outputs[0].token_ids
             params[2] = SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[greedy[3]])
         assert engine.async_scheduling == (setting is None) == engine.model_runner.input_batch.guard_uploads
         if engine.async_scheduling:

@@ -26,7 +26,7 @@ def tiny(tmp_path_factory):
 
 
 def _tokens(llm, prompts, params=GREEDY):
-    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 @pytest.mark.parametrize("options", [
@@ -79,8 +79,8 @@ def test_bad_requests_fail_alone(tiny):
     llm = LLM(model=str(path), dtype="float32", device="cpu", max_model_len=64)
     batch = [prompts[0], [], list(range(100)), [3, 4, 999], prompts[2]]
     outs = llm.generate(batch, GREEDY, use_tqdm=False)
-    assert outs[0].token_ids == expected[0] and outs[4].token_ids == expected[2]
-    assert [o.finish_reason for o in outs] == ["length", "abort", "abort", "abort", "length"]
+    assert outs[0].outputs[0].token_ids == expected[0] and outs[4].outputs[0].token_ids == expected[2]
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "abort", "abort", "abort", "length"]
     assert "empty" in outs[1].error
     assert "max_model_len=64" in outs[2].error
     assert "999" in outs[3].error and "vocabulary" in outs[3].error
@@ -100,11 +100,11 @@ def test_engine_step_api_streams_and_aborts(tiny):
     steps = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
-            seen[out.request_id].append(len(out.token_ids))
+            seen[out.request_id].append(len(out.outputs[0].token_ids))
         steps += 1
         if steps == 3:
             aborted = engine.abort_request("b")
-            assert aborted.finished and aborted.finish_reason == "abort"
+            assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
     assert seen["a"] == list(range(1, GREEDY.max_tokens + 1))  # one token per step, cumulative
     assert len(seen["b"]) < GREEDY.max_tokens
 
@@ -116,12 +116,12 @@ def test_stop_ids_eos_max_tokens_min_tokens(tiny):
     first = expected[0].index(target)
     out = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[target]),
                        use_tqdm=False)[0]
-    assert out.token_ids == expected[0][:first + 1] and out.finish_reason == "stop" and out.stop_reason == target
+    assert out.outputs[0].token_ids == expected[0][:first + 1] and out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == target
     out = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[target],
                                                     min_tokens=first + 2), use_tqdm=False)[0]
-    assert len(out.token_ids) > first + 1
+    assert len(out.outputs[0].token_ids) > first + 1
     out = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
-    assert out.token_ids == expected[0][:5] and out.finish_reason == "length"
+    assert out.outputs[0].token_ids == expected[0][:5] and out.outputs[0].finish_reason == "length"
 
 
 def test_seeded_sampling_reproducible(tiny):
@@ -142,10 +142,11 @@ def test_logprobs_returned(tiny):
     llm = LLM(model=str(path), dtype="float32", device="cpu")
     out = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True),
                        use_tqdm=False)[0]
-    assert len(out.logprobs) == 4
-    for token, entry in zip(out.token_ids, out.logprobs):
+    assert len(out.outputs[0].logprobs) == 4
+    for token, entry in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
         assert token in entry and len(entry) >= 3
-        assert entry[token] == max(entry.values())  # greedy picks the most likely token
+        assert entry[token].logprob == max(lp.logprob for lp in entry.values())  # greedy: the most likely
+        assert entry[token].rank == 1 and sorted(lp.rank for lp in entry.values()) == [1, 2, 3]
 
 
 def test_checkpoint_without_tokenizer_takes_token_ids(tmp_path):
@@ -153,10 +154,10 @@ def test_checkpoint_without_tokenizer_takes_token_ids(tmp_path):
     llm = LLM(model=str(path), dtype="float32", device="cpu")
     assert llm.tokenizer is None
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
-    assert out.token_ids == hf_greedy_generate(hf, [[5, 6, 7]], 6, ignore_eos=True)[0]
-    assert out.text == ""
+    assert out.outputs[0].token_ids == hf_greedy_generate(hf, [[5, 6, 7]], 6, ignore_eos=True)[0]
+    assert out.outputs[0].text == ""
     bad = llm.generate(["text needs a tokenizer"], use_tqdm=False)[0]
-    assert bad.finish_reason == "abort" and "tokenizer" in bad.error
+    assert bad.outputs[0].finish_reason == "abort" and "tokenizer" in bad.error
 
 
 def test_a_failed_step_loses_nothing(tiny):
@@ -185,7 +186,7 @@ def test_a_failed_step_loses_nothing(tiny):
     while engine.has_unfinished_requests():
         for out in engine.step():
             done[out.request_id] = out
-    assert [done[str(i)].token_ids for i in range(3)] == expected[:3]
+    assert [done[str(i)].outputs[0].token_ids for i in range(3)] == expected[:3]
 
 
 

@@ -50,7 +50,7 @@ def _mixed_step_tokens(llm, mixed):
     engine.add_request(mixed[0], GREEDY, request_id="m0")
     while True:
         outs = engine.step()
-        if outs and len(outs[0].token_ids) == 2:
+        if outs and len(outs[0].outputs[0].token_ids) == 2:
             break
     engine.add_request(mixed[1], GREEDY, request_id="m1")
     engine.add_request(mixed[2], GREEDY, request_id="m2")
@@ -58,7 +58,7 @@ def _mixed_step_tokens(llm, mixed):
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = out.token_ids
+                done[out.request_id] = out.outputs[0].token_ids
     return [done["m0"], done["m1"], done["m2"]]
 
 
@@ -76,7 +76,7 @@ def test_graph_modes_match_eager_and_hf(tiny, mode):
     wrappers = [w for w in (runner.full, runner.piecewise) if w is not None]
     assert sum(w.num_captured for w in wrappers) == EXPECTED_GRAPHS[mode]
     for n in (1, 3, 17):
-        tokens = [o.token_ids for o in llm.generate(prompts[:n], GREEDY, use_tqdm=False)]
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts[:n], GREEDY, use_tqdm=False)]
         assert tokens == expected[:n], f"{mode} batch {n}"
     assert _mixed_step_tokens(llm, mixed) == expected_mixed
     if mode != "NONE":
@@ -97,7 +97,7 @@ def test_torch_backend_falls_back_to_piecewise_with_same_tokens(tiny):
     path, prompts, mixed, expected, expected_mixed = tiny
     llm = _llm(path, "FULL", attention_backend="torch")
     assert llm.engine.model_runner.cudagraph_mode == CUDAGraphMode.PIECEWISE  # torch backend: NEVER in FULL
-    assert [o.token_ids for o in llm.generate(prompts[:3], GREEDY, use_tqdm=False)] == expected[:3]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:3], GREEDY, use_tqdm=False)] == expected[:3]
     assert _mixed_step_tokens(llm, mixed) == expected_mixed
     _release(llm)
 
@@ -107,7 +107,7 @@ def test_debug_address_check_names_moved_metadata_tensor(tiny):
     path, prompts, mixed, expected, _ = tiny
     llm = _llm(path, "FULL", debug_cudagraph_addresses=True)
     runner = llm.engine.model_runner
-    assert [o.token_ids for o in llm.generate(prompts[:3], GREEDY, use_tqdm=False)] == expected[:3]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:3], GREEDY, use_tqdm=False)] == expected[:3]
     assert runner.full.num_replays > 0  # checked every replay, no error, same output
     backend = runner.attn_backend
     build = backend.build_metadata
@@ -133,7 +133,7 @@ def test_kv_required_model_survives_warm_up(tiny, monkeypatch):
     path, prompts, _, expected, _ = tiny
     llm = _llm(path, "FULL_AND_PIECEWISE")
     assert llm.engine.model_runner.cuda_graph_ready
-    assert [o.token_ids for o in llm.generate(prompts[:3], GREEDY, use_tqdm=False)] == expected[:3]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:3], GREEDY, use_tqdm=False)] == expected[:3]
     _release(llm)
 
 

@@ -22,7 +22,7 @@ from configs import CacheConfig, SamplingParams, SchedulerConfig
 from runner import LLM
 from runner.detokenizer import IncrementalDetokenizer
 from runner.input_batch import InputBatch
-from runner.outputs import RequestOutput
+from runner.outputs import CompletionOutput, RequestOutput
 from runner.request import Request
 from runner.scheduler import Scheduler
 
@@ -252,15 +252,18 @@ def test_detokenizer_stop_string_found_across_tokens():
     assert results.index("STOP") == len("abc STOP") - 1 and detok.text == "abc "
 
 
-def test_request_output_is_a_snapshot():
+def test_completion_output_is_a_snapshot():
     tokens = [1, 2]
-    out = RequestOutput("r", None, [0], "", tokens, False, num_token_ids=len(tokens))
+    out = CompletionOutput(0, "", tokens, num_token_ids=len(tokens))
     tokens.append(3)
     assert out.token_ids == [1, 2] and out.token_ids is out.token_ids
-    same = RequestOutput("r", None, [0], "", [1, 2], False)
+    same = CompletionOutput(0, "", [1, 2])
     assert out == same and "token_ids=[1, 2]" in repr(out)
     same.token_ids = [4]
     assert same.token_ids == [4] and out != same
+    request = RequestOutput("r", None, [0], None, [out], False)
+    assert request == RequestOutput("r", None, [0], None, [CompletionOutput(0, "", [1, 2])], False)
+    assert request != RequestOutput("r", None, [0], None, [same], False)
 
 
 @pytest.fixture(scope="module")
@@ -276,8 +279,8 @@ def test_uniform_batch_ending_in_a_one_token_chunk(tiny_path):
     as without the budget)."""
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=4, ignore_eos=True)
     llm = LLM(model=str(tiny_path), dtype="float32", device="cpu", max_num_batched_tokens=2, max_num_seqs=2)
-    small = [o.token_ids for o in llm.generate([[7], [5, 6, 7, 8]], params, use_tqdm=False)]
-    alone = [o.token_ids for o in LLM(model=str(tiny_path), dtype="float32", device="cpu").generate(
+    small = [o.outputs[0].token_ids for o in llm.generate([[7], [5, 6, 7, 8]], params, use_tqdm=False)]
+    alone = [o.outputs[0].token_ids for o in LLM(model=str(tiny_path), dtype="float32", device="cpu").generate(
         [[7], [5, 6, 7, 8]], params, use_tqdm=False)]
     assert small == alone and all(len(t) == 4 for t in small)
 

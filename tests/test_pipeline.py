@@ -53,7 +53,7 @@ def _prompts(seed: int) -> list[list[int]]:
 
 
 def _tokens(llm, prompts, params=GREEDY):
-    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def _alive(pid: int) -> bool:
@@ -87,7 +87,7 @@ def _pp1_reference(path, prompts, expected):
     with LLM(model=str(path), **CPU) as llm:
         assert _tokens(llm, prompts) == expected
         seeded = llm.generate(prompts[:3], SEEDED, use_tqdm=False)
-    return [o.token_ids for o in seeded], [o.logprobs for o in seeded]
+    return [o.outputs[0].token_ids for o in seeded], [o.outputs[0].logprobs for o in seeded]
 
 
 # ---- layer split -----------------------------------------------------------------------------
@@ -139,8 +139,8 @@ def test_pipeline_matches_pp1_and_hf_and_shuts_down_cleanly(request, checkpoint,
             # Mixed steps: a 32-token budget chunks the 41- and 70-token prompts next to decodes.
             assert _tokens(llm, prompts) == expected
             seeded = llm.generate(prompts[:3], SEEDED, use_tqdm=False)  # generators live on the last rank
-            assert [o.token_ids for o in seeded] == seeded_tokens
-            assert [o.logprobs for o in seeded] == seeded_logprobs
+            assert [o.outputs[0].token_ids for o in seeded] == seeded_tokens
+            assert [o.outputs[0].logprobs for o in seeded] == seeded_logprobs
             assert _tokens(llm, prompts[:2]) == expected[:2]  # again, after finished ids went round
         assert multiprocessing.active_children() == []
         assert not any(_alive(pid) for pid in pids.values())
@@ -214,7 +214,7 @@ def test_interrupted_wait_claims_its_reply_before_the_next_step(untied):
         engine.scheduler.update(output.sampled)
         while engine.has_unfinished_requests():
             finished = [o for o in engine.step() if o.finished]
-        assert finished[0].token_ids == expected[3]
+        assert finished[0].outputs[0].token_ids == expected[3]
 
 
 def test_worker_error_reports_its_traceback(untied, tmp_path):
@@ -280,7 +280,7 @@ def test_exit_without_shutdown_stops_the_workers(untied, tmp_path):
             llm = LLM(model={str(path)!r}, pipeline_parallel_size=2, **{CPU!r})
             out = llm.generate({prompts[:1]!r}, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
                                use_tqdm=False)
-            print(json.dumps({{"pids": list(llm.engine.executor.worker_pids.values()), "tokens": out[0].token_ids}}))
+            print(json.dumps({{"pids": list(llm.engine.executor.worker_pids.values()), "tokens": out[0].outputs[0].token_ids}}))
     """)
     done = subprocess.run([sys.executable, str(script)], env=_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -326,7 +326,7 @@ def test_torchrun_external_launcher(untied, tmp_path):
         out = llm.generate({prompts!r}, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
                            use_tqdm=False)
         llm.shutdown()
-        print("TOKENS " + json.dumps([o.token_ids for o in out]))
+        print("TOKENS " + json.dumps([o.outputs[0].token_ids for o in out]))
     """)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
     done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=150)

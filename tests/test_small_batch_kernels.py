@@ -478,7 +478,7 @@ def test_engine_greedy_tokens_same_with_small_batch_path_on_and_off(tmp_path, mo
         llm = LLM(model=str(path), device="cuda", dtype="float32", cudagraph_mode=mode,
                   cudagraph_capture_sizes=[1, 2, 4, 8], max_num_seqs=8, max_num_batched_tokens=256,
                   num_kv_blocks=256)
-        tokens[on] = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        tokens[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
         assert (calls["norm_linear"] > 0) == on   # rows 2..8; one-row steps may take norm_qkv_rope_cache
         llm.shutdown()
         del llm
@@ -548,7 +548,7 @@ def test_engine_greedy_tokens_same_with_fused_rope_cache_on_and_off(tmp_path, mo
         llm = LLM(model=str(path), device="cuda", dtype="float32", cudagraph_mode=mode,
                   cudagraph_capture_sizes=[1, 2, 4], max_num_seqs=4, max_num_batched_tokens=256,
                   num_kv_blocks=64)
-        tokens[on] = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        tokens[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
         assert (calls["norm_qkv_rope_cache"] > 0) == on
         llm.shutdown()
         del llm

@@ -56,21 +56,21 @@ def test_batch_greedy_tokens_match_hf_generate(smollm2, llm):
     params = SamplingParams(temperature=0.0, max_tokens=40)
     outs = llm.generate(prompts, params, use_tqdm=False)
     expected = hf_greedy_generate(hf, [tokenizer.encode(p) for p in prompts], params.max_tokens)
-    assert [o.token_ids for o in outs] == expected
-    assert "Paris" in outs[0].text
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert "Paris" in outs[0].outputs[0].text
     for out, exp in zip(outs, expected):
-        assert out.text == tokenizer.decode(exp, skip_special_tokens=True)
-        assert out.finish_reason == ("stop" if exp[-1] in (hf.generation_config.eos_token_id,) else "length")
+        assert out.outputs[0].text == tokenizer.decode(exp, skip_special_tokens=True)
+        assert out.outputs[0].finish_reason == ("stop" if exp[-1] in (hf.generation_config.eos_token_id,) else "length")
 
 
 def test_chat_answer_says_paris(llm):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)[0]
-    assert "Paris" in out.text and out.metrics.first_token_latency > 0
+    assert "Paris" in out.outputs[0].text and out.metrics.first_token_latency > 0
 
 
 def test_stop_string_cuts_text(llm, smollm2):
     prompt = smollm2[3][0]
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, stop=["Paris"]), use_tqdm=False)[0]
-    assert out.finish_reason == "stop" and out.stop_reason == "Paris"
-    assert "Paris" not in out.text and out.text.startswith("The capital")
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == "Paris"
+    assert "Paris" not in out.outputs[0].text and out.outputs[0].text.startswith("The capital")
