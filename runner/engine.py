@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from configs import EngineConfig, SamplingParams
+from configs import EngineConfig, RequestOutputKind, SamplingParams
 from models.hf_config import load_hf_config, model_spec, resolve_max_model_len
 from runner.detokenizer import IncrementalDetokenizer
 from runner.outputs import CompletionOutput, PendingOutput, RequestMetrics, RequestOutput
@@ -32,6 +32,10 @@ class _Tracked:
     """Per generated token {token id: Logprob}, when the request asked for logprobs."""
     metrics: RequestMetrics
     cumulative_logprob: float = 0.0
+    num_sent_tokens: int = 0
+    """DELTA outputs: token ids (and logprob entries) already handed out..."""
+    num_sent_chars: int = 0
+    """...and characters of text."""
 
 
 def resolve_model_path(model: str) -> str:
@@ -200,7 +204,9 @@ class LLMEngine:
         for request in self.scheduler.update(result.sampled):
             tracked = self._tracked.get(request.request_id)
             if tracked is not None:
-                outputs.append(self._advance(tracked, result, now))
+                output = self._advance(tracked, result, now)
+                if output is not None:
+                    outputs.append(output)
         return outputs
 
     def _step_async(self) -> list[RequestOutput]:
@@ -245,7 +251,7 @@ class LLMEngine:
             raise
         return self._apply(result)
 
-    def _advance(self, tracked: _Tracked, result, now: float) -> RequestOutput:
+    def _advance(self, tracked: _Tracked, result, now: float) -> RequestOutput | None:
         """A request got a token: metrics, logprobs, text and stop strings, then its output."""
         request, metrics = tracked.request, tracked.metrics
         if metrics.first_token_time is None:
@@ -266,17 +272,31 @@ class LLMEngine:
             del self._tracked[request.request_id]
         return self._output(tracked)
 
-    def _output(self, tracked: _Tracked) -> RequestOutput:
+    def _output(self, tracked: _Tracked) -> RequestOutput | None:
+        """The request's output after a step, in its `output_kind`: everything so far (CUMULATIVE),
+        what is new since its last output (DELTA), or nothing until it finishes (FINAL_ONLY)."""
         request = tracked.request
+        finished = request.status is RequestStatus.FINISHED
+        kind = request.sampling_params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
         tokens = request.output_token_ids  # only ever grows: the output copies its prefix when read
+        text = tracked.detokenizer.text if tracked.detokenizer is not None else ""
         logprobs = tracked.logprobs
-        # Positional: keyword arguments would add a third to the cost of this per-request, per-step call.
-        completion = CompletionOutput(0, tracked.detokenizer.text if tracked.detokenizer is not None else "",
-                                      tokens, tracked.cumulative_logprob if logprobs is not None else None,
-                                      logprobs[:] if logprobs is not None else None, request.finish_reason,
-                                      request.stop_reason, len(tokens))
+        if kind is RequestOutputKind.DELTA:
+            start, chars = tracked.num_sent_tokens, tracked.num_sent_chars
+            tracked.num_sent_tokens, tracked.num_sent_chars = len(tokens), max(chars, len(text))
+            completion = CompletionOutput(0, text[chars:], tokens[start:],
+                                          tracked.cumulative_logprob if logprobs is not None else None,
+                                          logprobs[start:] if logprobs is not None else None, request.finish_reason,
+                                          request.stop_reason)
+        else:
+            # Positional: keyword arguments would add a third to the cost of this per-request, per-step call.
+            completion = CompletionOutput(0, text, tokens, tracked.cumulative_logprob if logprobs is not None else None,
+                                          logprobs[:] if logprobs is not None else None, request.finish_reason,
+                                          request.stop_reason, len(tokens))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, None, [completion],
-                             request.status is RequestStatus.FINISHED, tracked.metrics)
+                             finished, tracked.metrics)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from checkpoints import hf_greedy_generate, make_tiny_checkpoint
-from configs import SamplingParams
+from configs import RequestOutputKind, SamplingParams
 from runner import LLM
 from runner.engine import InvalidRequestError
 
@@ -212,3 +212,31 @@ def test_greedy_decode_of_many_rows_matches_hf(tiny, monkeypatch):
     llm = LLM(model=str(path), dtype="float32", device="cpu")
     assert _tokens(llm, prompts) == hf_greedy_generate(hf, prompts, GREEDY.max_tokens, ignore_eos=True)
     assert sum(served) >= GREEDY.max_tokens - 1   # every decode step of the 20 rows was screened
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_output_kinds_delta_and_final_only(tiny, async_scheduling):
+    """DELTA outputs concatenate to the CUMULATIVE result (tokens, text, logprobs); FINAL_ONLY
+    yields exactly one output per request, the finished one."""
+    path, prompts, expected = tiny
+    llm = LLM(model=str(path), dtype="float32", device="cpu", async_scheduling=async_scheduling)
+    engine = llm.engine
+    kinds = {"cum": RequestOutputKind.CUMULATIVE, "delta": RequestOutputKind.DELTA,
+             "final": RequestOutputKind.FINAL_ONLY}
+    for name, kind in kinds.items():
+        engine.add_request(prompts[1], SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, logprobs=1,
+                                                      output_kind=kind), request_id=name)
+    seen = {name: [] for name in kinds}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    final = seen["cum"][-1].outputs[0]
+    assert final.token_ids == expected[1][:9] and len(seen["cum"]) == 9
+    deltas = [o.outputs[0] for o in seen["delta"]]
+    assert len(deltas) == 9 and all(len(d.token_ids) == 1 for d in deltas)
+    assert sum((d.token_ids for d in deltas), []) == final.token_ids
+    assert "".join(d.text for d in deltas) == final.text
+    assert sum((d.logprobs for d in deltas), []) == final.logprobs
+    assert [o.finished for o in seen["delta"]] == [False] * 8 + [True]
+    assert len(seen["final"]) == 1 and seen["final"][0].finished
+    assert seen["final"][0].outputs[0] == final
