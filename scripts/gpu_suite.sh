@@ -42,7 +42,7 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, append its log, rem
 }
 decode_against_old_tree() {  # decode_against_old_tree ARGS...: bench_decode twice, each time also OLD_TREE's
   for round in 1 2; do
-    step decode$round 90 python3 scripts/bench_decode.py "$@" --json "$OUT/decode$round.json"
+    step decode$round 90 python3 -m runner.cli bench decode "$@" --json "$OUT/decode$round.json"
     if [[ -n ${OLD_TREE:-} ]]; then
       step decode-old$round 90 env PYTHONPATH="$OLD_TREE:$PYTHONPATH" python3 "$OLD_TREE/scripts/bench_decode.py" \
         "$@" --json "$OUT/decode_old$round.json"
@@ -56,32 +56,32 @@ if [[ $STAGE == tests || $STAGE == all ]]; then
   step triton-gpu 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
 fi
 if [[ $STAGE == bench || $STAGE == all ]]; then
-  step attention 90 python3 scripts/bench_attention.py --json "$OUT/attention.json"
-  step decode 330 python3 scripts/bench_decode.py --warmup 3 --steps 15 --hf-max-batch 32 --json "$OUT/decode.json" --plot "$OUT/decode.png"
-  step throughput 150 python3 scripts/bench_throughput.py --json "$OUT/throughput.json"
-  step addresses 30 python3 scripts/bench_addresses.py
+  step attention 90 python3 -m runner.cli bench attention --out "$OUT/attention"
+  step decode 330 python3 -m runner.cli bench decode --warmup 3 --steps 15 --hf-max-batch 32 --out "$OUT/decode"
+  step throughput 150 python3 -m runner.cli bench throughput --out "$OUT/throughput"
+  step addresses 30 python3 -m runner.cli bench addresses
 fi
 if [[ $STAGE == pp ]]; then
   step pp-tests 240 python3 -m pytest -q -p no:cacheprovider -m cuda -rA tests/test_pipeline.py
 fi
 if [[ $STAGE == goals ]]; then  # session 5's s5final: tests and goal figures, one call (~5 min)
   step cuda-tests 200 python3 -m pytest -q -p no:cacheprovider -m cuda -rA tests --deselect tests/test_pipeline.py
-  step decode 150 python3 scripts/bench_decode.py --modes FULL PIECEWISE --warmup 3 --steps 15 --hf-max-batch 32 \
-    --json "$OUT/decode.json" --plot "$OUT/decode.png"
-  step capture 120 python3 scripts/bench_capture.py --cold --modes FULL_AND_PIECEWISE FULL_AND_PIECEWISE PIECEWISE FULL \
-    --gpu-memory-utilization 0.95 --serve 256 --json "$OUT/capture.json"
-  step throughput 80 python3 scripts/bench_throughput.py --json "$OUT/throughput.json"
+  step decode 150 python3 -m runner.cli bench decode --modes FULL PIECEWISE --warmup 3 --steps 15 --hf-max-batch 32 \
+    --out "$OUT/decode"
+  step capture 120 python3 -m runner.cli bench capture --cold --modes FULL_AND_PIECEWISE FULL_AND_PIECEWISE PIECEWISE FULL \
+    --gpu-memory-utilization 0.95 --serve 256 --out "$OUT/capture"
+  step throughput 80 python3 -m runner.cli bench throughput --out "$OUT/throughput"
 fi
 if [[ $STAGE == compare ]]; then  # session 5's s5check without its tests: a change measured against its own absence
   small=(--shapes smollm2-135m llama-3.2-1b --modes FULL --batch-sizes 1 32 --warmup 3 --steps 15 --no-hf --no-plot)
-  step decode-pdl0 90 env GRAPHRUNNER_PDL=0 python3 scripts/bench_decode.py "${small[@]}" --json "$OUT/decode_pdl0.json"
-  step decode 90 python3 scripts/bench_decode.py "${small[@]}" --json "$OUT/decode.json"
+  step decode-pdl0 90 env GRAPHRUNNER_PDL=0 python3 -m runner.cli bench decode "${small[@]}" --out "$OUT/decode_pdl0"
+  step decode 90 python3 -m runner.cli bench decode "${small[@]}" --out "$OUT/decode"
   if [[ -n ${OLD_TREE:-} ]]; then
     step decode-old 90 env PYTHONPATH="$OLD_TREE:$PYTHONPATH" python3 "$OLD_TREE/scripts/bench_decode.py" "${small[@]}" \
-      --json "$OUT/decode_old.json"
+      --out "$OUT/decode_old"
   fi
-  step profile-full 60 python3 scripts/profile_step.py --mode FULL --batch-size 1 --host-profile
-  step profile-1b 60 python3 scripts/profile_step.py --shape llama-3.2-1b --mode FULL --batch-size 1
+  step profile-full 60 python3 -m runner.cli bench profile_step --mode FULL --batch-size 1 --host-profile
+  step profile-1b 60 python3 -m runner.cli bench profile_step --shape llama-3.2-1b --mode FULL --batch-size 1
 fi
 if [[ $STAGE == s7 ]]; then  # session 7: every GPU test with the PIECEWISE step graph (~5 min)
   step cuda-tests 330 python3 -m pytest -q -p no:cacheprovider -m cuda -rA -s tests --deselect tests/test_pipeline.py
@@ -89,12 +89,12 @@ if [[ $STAGE == s7 ]]; then  # session 7: every GPU test with the PIECEWISE step
 fi
 if [[ $STAGE == s7b ]]; then  # session 7: the replay variants in one process at bs 1 and 32; PIECEWISE vs FULL at
   # bs 1-128 twice (with OLD_TREE's code when given); cold capture of the default sizes (the goal < 10 s), serving at 0.95
-  step break-replay 100 python3 scripts/bench_break_replay.py --blocks 4 --steps 40
-  step break-replay-bs32 100 python3 scripts/bench_break_replay.py --batch-size 32 --blocks 4 --steps 40
+  step break-replay 100 python3 -m runner.cli bench break_replay --blocks 4 --steps 40
+  step break-replay-bs32 100 python3 -m runner.cli bench break_replay --batch-size 32 --blocks 4 --steps 40
   small=(--shapes smollm2-135m --modes FULL PIECEWISE --batch-sizes 1 8 32 128 --warmup 3 --steps 20 --no-hf --no-plot)
   decode_against_old_tree "${small[@]}"
-  step capture 150 python3 scripts/bench_capture.py --cold --modes FULL_AND_PIECEWISE FULL_AND_PIECEWISE PIECEWISE \
-    --gpu-memory-utilization 0.95 --serve 256 --json "$OUT/capture.json"
+  step capture 150 python3 -m runner.cli bench capture --cold --modes FULL_AND_PIECEWISE FULL_AND_PIECEWISE PIECEWISE \
+    --gpu-memory-utilization 0.95 --serve 256 --out "$OUT/capture"
 fi
 echo
 echo "| step         | result | time  |"

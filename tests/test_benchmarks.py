@@ -1,15 +1,14 @@
-"""Issue 8: the benchmark scripts run on a CPU, and their model shapes load as the engine and HF read them.
+"""The benchmarks of runner/benchmarks/ run on a CPU, and their model shapes load as the engine and HF read them.
 
-The GPU figures themselves come from the device machine (scripts/bench_decode.py); here we make
-sure the scripts' code paths work and the shapes are the models they claim to be, without weights.
+The GPU figures themselves come from `graphrunner bench decode` (and the others) on a GPU; here we
+make sure the benchmarks' code paths work, write their raw results under `--out`, and that the
+shapes are the models they claim to be, without weights.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,17 +16,14 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from models import model_spec
 from models.layers import rope_inverse_frequencies
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-
-import bench_decode  # noqa: E402
-import bench_throughput  # noqa: E402
-from model_shapes import SHAPES, kv_bytes_per_token, parameter_bytes, write_config  # noqa: E402
+from runner.benchmarks import decode as bench_decode
+from runner.benchmarks import throughput as bench_throughput
+from runner.benchmarks.model_shapes import SHAPES, kv_bytes_per_token, parameter_bytes, write_config
 
 
 def test_throughput_cpu_small_runs_and_reports_positive_rates(tmp_path, capsys):
     out = tmp_path / "throughput.json"
-    result = bench_throughput.main(["--cpu-small", "--json", str(out)])
+    result = bench_throughput.run(["--cpu-small", "--out", str(tmp_path)])
     assert result["resolved_mode"] == "NONE" and result["device"] == "cpu"
     assert result["num_seqs"] == 16 and result["num_layers"] == 4
     prompts, params = bench_throughput.make_workload(16, 16, 64, 64, seed=0)
@@ -51,11 +47,12 @@ def test_throughput_workload_follows_nano_vllm():
 
 
 def test_decode_bench_cpu_smoke(tmp_path):
-    """Every code path of bench_decode except CUDA events and graphs (modes resolve to NONE on a CPU)."""
+    """Every code path of `graphrunner bench decode` except CUDA events and graphs (modes resolve to
+    NONE on a CPU); --no-plot leaves only the JSON under --out."""
     out = tmp_path / "decode.json"
-    result = bench_decode.main(["--device", "cpu", "--dtype", "float32", "--num-layers", "2",
-                                "--shapes", "smollm2-135m", "--batch-sizes", "1", "2", "--modes", "NONE", "FULL",
-                                "--warmup", "1", "--steps", "2", "--no-plot", "--json", str(out)])
+    result = bench_decode.run(["--device", "cpu", "--dtype", "float32", "--num-layers", "2",
+                               "--shapes", "smollm2-135m", "--batch-sizes", "1", "2", "--modes", "NONE", "FULL",
+                               "--warmup", "1", "--steps", "2", "--no-plot", "--out", str(tmp_path)])
     rows = result["rows"]
     assert [(r["batch_size"], r["mode"]) for r in rows] == [(1, "NONE"), (2, "NONE"), (1, "FULL"), (2, "FULL")]
     for r in rows:
@@ -64,16 +61,16 @@ def test_decode_bench_cpu_smoke(tmp_path):
         assert len(r["step_ms"]) == 2 and r["context"] > 128
     assert [e["resolved_mode"] for e in result["engines"]] == ["NONE", "NONE"]
     assert json.loads(out.read_text())["rows"] == rows
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["decode.json"]
     assert all(not r["async_scheduling"] and r["call_ms"] > 0 for r in rows)  # auto: off on a CPU
 
 
 def test_decode_bench_cpu_async_smoke(tmp_path):
     """--async-scheduling on: ms/step from consecutive steps' `sampled` marks, host ms from the wall time
     of engine.step() less its waits (none on a CPU, where the step runs synchronously anyway)."""
-    result = bench_decode.main(["--device", "cpu", "--dtype", "float32", "--num-layers", "2",
-                                "--shapes", "smollm2-135m", "--batch-sizes", "2", "--modes", "NONE",
-                                "--warmup", "1", "--steps", "3", "--no-hf", "--no-plot", "--async-scheduling", "on",
-                                "--json", str(tmp_path / "decode.json")])
+    result = bench_decode.run(["--device", "cpu", "--dtype", "float32", "--num-layers", "2",
+                               "--shapes", "smollm2-135m", "--batch-sizes", "2", "--modes", "NONE",
+                               "--warmup", "1", "--steps", "3", "--no-hf", "--no-plot", "--async-scheduling", "on"])
     (row,) = result["rows"]
     assert row["async_scheduling"] and result["engines"][0]["async_scheduling"] and row["call_ms"] is None
     assert len(row["step_ms"]) == 3 and row["ms_per_step"] == sorted(row["step_ms"])[1]
@@ -127,16 +124,17 @@ def test_shape_byte_counts_match_hf_parameters(tmp_path, name):
 
 
 def test_linear_bench_cpu_smoke(tmp_path):
-    """bench_linear's code paths bar CUDA graphs and events: both variants of every projection run
-    (the Triton kernels in the interpreter), the table's rows and the JSON agree."""
+    """`graphrunner bench linear`'s code paths bar CUDA graphs and events: both variants of every
+    projection run (the Triton kernels in the interpreter), the table's rows and the JSON agree."""
     import os
-    import bench_linear
+
+    from runner.benchmarks import linear as bench_linear
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        assert bench_linear.main(["--device", "cpu", "--shapes", "tiny"]) == {"skipped": "TRITON_INTERPRET is not 1"}
+        assert bench_linear.run(["--device", "cpu", "--shapes", "tiny"]) == {"skipped": "TRITON_INTERPRET is not 1"}
         pytest.skip("the Triton kernels need TRITON_INTERPRET=1 on a CPU")
     out = tmp_path / "linear.json"
-    result = bench_linear.main(["--device", "cpu", "--dtype", "float32", "--shapes", "tiny", "--rows", "1", "3",
-                                "--repeats", "2", "--replays", "1", "--json", str(out)])
+    result = bench_linear.run(["--device", "cpu", "--dtype", "float32", "--shapes", "tiny", "--rows", "1", "3",
+                               "--repeats", "2", "--replays", "1", "--out", str(tmp_path)])
     rows = result["rows"]
     assert [(r["rows"], r["projection"]) for r in rows] == [
         (m, p) for m in (1, 3) for p in ("qkv", "o", "gate_up", "down", "layer")]
@@ -148,16 +146,17 @@ def test_linear_bench_cpu_smoke(tmp_path):
 
 
 def test_gemv_configs_bench_cpu_smoke(tmp_path):
-    """bench_gemv_configs' code paths bar CUDA graphs: every weight of a layer and the LM head, the
-    cuBLAS / default / swept timings, the best config among those swept, the JSON."""
+    """`graphrunner bench gemv_configs`' code paths bar CUDA graphs: every weight of a layer and the
+    LM head, the cuBLAS / default / swept timings, the best config among those swept, the JSON."""
     import os
-    import bench_gemv_configs
+
+    from runner.benchmarks import gemv_configs as bench_gemv_configs
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        assert bench_gemv_configs.main(["--device", "cpu", "--shapes", "tiny"]) == {"skipped": "TRITON_INTERPRET is not 1"}
+        assert bench_gemv_configs.run(["--device", "cpu", "--shapes", "tiny"]) == {"skipped": "TRITON_INTERPRET is not 1"}
         pytest.skip("the Triton kernels need TRITON_INTERPRET=1 on a CPU")
-    out = tmp_path / "gemv.json"
-    result = bench_gemv_configs.main(["--device", "cpu", "--dtype", "float32", "--shapes", "tiny", "--configs", "2",
-                                      "--repeats", "1", "--replays", "1", "--json", str(out)])
+    out = tmp_path / "gemv_configs.json"
+    result = bench_gemv_configs.run(["--device", "cpu", "--dtype", "float32", "--shapes", "tiny", "--configs", "2",
+                                     "--repeats", "1", "--replays", "1", "--out", str(tmp_path)])
     rows = result["rows"]
     assert [r["projection"] for r in rows] == ["qkv", "o", "gate_up", "down", "lm_head"]
     for r in rows:
@@ -166,14 +165,14 @@ def test_gemv_configs_bench_cpu_smoke(tmp_path):
     assert json.loads(out.read_text())["rows"] == rows
 
 
-def test_break_replay_bench_switches_every_graph_between_variants(capsys, monkeypatch):
-    """The A/B of scripts/bench_break_replay.py on fake graphs: prepared calls are the records'
+def test_break_replay_bench_switches_every_graph_between_variants(capsys):
+    """The A/B of `graphrunner bench break_replay` on fake graphs: prepared calls are the records'
     replays where they have one; generic calls are the ops on the recorded inputs; only "fast"
     lets attention take the direct launch."""
     from types import SimpleNamespace
 
-    import bench_break_replay
     from attention.kernels import unified_attention
+    from runner.benchmarks import break_replay as bench_break_replay
     from runner.cudagraph.breakable import BreakableGraph, BreakRecord
 
     seen = []
@@ -195,20 +194,17 @@ def test_break_replay_bench_switches_every_graph_between_variants(capsys, monkey
         vars(launcher).pop("direct_launch", None)
     assert seen == [("op", 1), ("op", 2)] + ["fast", ("op", 2)] * 2
     if not torch.cuda.is_available():
-        monkeypatch.setattr(sys, "argv", ["bench_break_replay.py"])
-        bench_break_replay.main()
+        assert bench_break_replay.main([]) == 0
         assert "needs a CUDA device" in capsys.readouterr().out
 
 
-def test_cpu_engine_vs_hf_bench_smoke(tmp_path, monkeypatch, capsys):
-    """scripts/bench_cpu.py end to end on the embedded SmolLM2, tiny: one alternating pair and two
+def test_cpu_engine_vs_hf_bench_smoke(tmp_path, capsys):
+    """`graphrunner bench cpu` end to end on the embedded SmolLM2, tiny: one alternating pair and two
     lockstep runs (the engine stepped from HF's per-token stopping-criteria hook), every figure positive."""
-    import bench_cpu
+    from runner.benchmarks import cpu as bench_cpu
     out = tmp_path / "cpu.json"
-    monkeypatch.setattr(sys, "argv", ["bench_cpu.py", "--prompts", "3", "--tokens", "4", "--repeats", "1",
-                                      "--warmup-runs", "0", "--lockstep-runs", "2", "--max-other-load", "1000",
-                                      "--json", str(out)])
-    bench_cpu.main()
+    assert bench_cpu.main(["--prompts", "3", "--tokens", "4", "--repeats", "1", "--warmup-runs", "0",
+                           "--lockstep-runs", "2", "--max-other-load", "1000", "--out", str(tmp_path)]) == 0
     result = json.loads(out.read_text())
     assert result["prompts"] == 3 and result["tokens"] == 4
     assert len(result["engine_runs"]) == len(result["hf_runs"]) == 1

@@ -1,6 +1,6 @@
 """Decode attention bandwidth of the Triton unified kernel vs a device-to-device copy, same run.
 
-    python scripts/bench_attention.py [--context 4096] [--batch-sizes 1 8 32] [--json PATH]
+    graphrunner bench attention [--context 4096] [--batch-sizes 1 8 32] [--out DIR]
 
 Llama-3-8B attention (32 query heads, 8 KV heads, head_dim 128), bf16, block size 16, blocks
 scattered through the cache as a long-running server leaves them. Decode attention is a stream
@@ -15,19 +15,15 @@ launch instead. The split-KV merge kernel is included in the time.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+import triton
+import triton.testing
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.testing  # noqa: E402
-
-from attention.kernels.unified_attention import default_num_splits, unified_attention  # noqa: E402
-from bench_decode import copy_bandwidth  # noqa: E402
+from attention.kernels.unified_attention import default_num_splits, unified_attention
+from runner.benchmarks.decode import copy_bandwidth
+from runner.benchmarks.results import add_out_argument, write_json
 
 HQ, HKV, D, BLOCK_SIZE = 32, 8, 128, 16
 
@@ -56,13 +52,15 @@ def time_graph_ms(fn) -> float:
     return triton.testing.do_bench(graph.replay, return_mode="median")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="graphrunner bench attention", description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
-    args = parser.parse_args()
+    add_out_argument(parser)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("graphrunner bench attention needs a CUDA GPU (torch sees none)")
 
     device = torch.device("cuda")
     copy_bw = copy_bandwidth(torch.device("cuda"))
@@ -86,11 +84,11 @@ def main() -> None:
         splits = f"{r['num_splits']}{' (default)' if r['default'] else ''}"
         print(f"| {r['batch_size']} | {r['context']} | {splits} | {r['time_us']:.1f} | {r['kv_mb']:.1f} | "
               f"{r['kv_gb_per_s']:.0f} | {r['pct_of_copy']:.1f} |")
-    if args.json:
-        args.json.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_gb_per_s=copy_bw / 1e9,
-                                             heads=[HQ, HKV, D], dtype="bfloat16", block_size=BLOCK_SIZE,
-                                             rows=rows), indent=2))
+    write_json(args.out, "attention.json", dict(device=torch.cuda.get_device_name(), copy_gb_per_s=copy_bw / 1e9,
+                                                heads=[HQ, HKV, D], dtype="bfloat16", block_size=BLOCK_SIZE,
+                                                rows=rows))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

@@ -1,17 +1,18 @@
 """PIECEWISE decode with its replay shortcuts on and off, in one process.
 
-    python scripts/bench_break_replay.py [--shape smollm2-135m] [--batch-size 1] [--blocks 6] [--steps 40]
+    graphrunner bench break_replay [--shape smollm2-135m] [--batch-size 1] [--blocks 6] [--steps 40] [--out DIR]
 
-Four variants alternate in blocks of `--steps` engine steps (the device host's speed drifts, so a
-before/after across runs measures the host, not the change); the median step time of each is
+Four variants alternate in blocks of `--steps` engine steps (a GPU host's speed drifts within
+minutes, so a before/after across runs measures the host, not the change); the median step time of each is
 printed with the host time spent inside the PIECEWISE replay call per step (launching, not the GPU's
 work), the replays launched as step graphs, and the per-block figures:
 - "native": as the engine runs: the whole replay as one step graph (runner/cudagraph/step_graph.py:
   segments as child graphs, attention as kernel nodes re-parameterised when the step's launch differs);
 - "fast": the layer loop in Python (break replays prepared at capture, attention through Triton's C
-  launch directly, segments through torch's C++ replay), what session 6 left;
+  launch directly, segments through torch's C++ replay): the path a step takes when it cannot use the
+  step graph;
 - "python-launch": prepared break replays, but attention through Triton's Python launcher and
-  segments through `CUDAGraph.replay` (what session 6 changed);
+  segments through `CUDAGraph.replay`;
 - "generic": every captured BreakableGraph's calls rebuilt as `op(*args, **kwargs)`, which is what
   a replay did before `prepare_replay`.
 """
@@ -24,12 +25,9 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from model_shapes import SHAPES, write_config  # noqa: E402
+from runner.benchmarks.model_shapes import SHAPES, write_config
+from runner.benchmarks.results import add_out_argument, write_json
 
 
 VARIANTS = ("native", "fast", "python-launch", "generic")
@@ -72,17 +70,18 @@ def _time_replays(runner) -> None:
         entry.graph.replay = timed
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="graphrunner bench break_replay", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--blocks", type=int, default=6)
     parser.add_argument("--steps", type=int, default=40)
-    args = parser.parse_args()
+    add_out_argument(parser)
+    args = parser.parse_args(argv)
     import torch
     if not torch.cuda.is_available():
-        print("bench_break_replay.py: needs a CUDA device (PIECEWISE graphs are CUDA graphs)")
-        return
+        print("graphrunner bench break_replay: needs a CUDA device (PIECEWISE graphs are CUDA graphs)")
+        return 0
 
     from configs import SamplingParams
     from runner import LLM
@@ -119,7 +118,11 @@ def main() -> None:
         print(f"{args.shape} PIECEWISE bs{args.batch_size} {variant:13s}: median {medians[variant]:.3f} ms/step "
               f"({medians[variant] / medians['fast']:.3f}x fast), host in replay {statistics.median(replay_us[variant]):.0f} "
               f"us/step, step graph runs {loop_runs[variant]}, blocks {', '.join(f'{t:.3f}' for t in times[variant])}")
+    write_json(args.out, "break_replay.json", {
+        "shape": args.shape, "batch_size": args.batch_size, "device": torch.cuda.get_device_name(),
+        "ms_per_step": times, "median_ms_per_step": medians, "replay_host_us": replay_us, "step_graph_runs": loop_runs})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

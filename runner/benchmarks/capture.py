@@ -1,7 +1,7 @@
 """Capture time and graph memory with the DEFAULT capture sizes, per graph mode.
 
-    python scripts/bench_capture.py [--shape smollm2-135m] [--modes FULL_AND_PIECEWISE PIECEWISE FULL]
-        [--gpu-memory-utilization 0.5] [--cold] [--serve N] [--json F]
+    graphrunner bench capture [--shape smollm2-135m] [--modes FULL_AND_PIECEWISE PIECEWISE FULL]
+        [--gpu-memory-utilization 0.5] [--cold] [--serve N] [--out DIR]
 
 Builds the engine as a user would (default capture sizes 1, 2, 4, 8, 16, 24, ... 512, default
 max_num_seqs 256), with dummy bf16 weights of the shape, and prints per mode: graphs captured,
@@ -25,21 +25,17 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
-import json
 import os
 import pstats
 import random
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import torch  # noqa: E402
-
-from model_shapes import SHAPES, write_config  # noqa: E402
+from runner.benchmarks.model_shapes import SHAPES, write_config
+from runner.benchmarks.results import add_out_argument, write_json
 
 
 def serve(llm, num_requests: int, utilization: float) -> dict:
@@ -61,8 +57,8 @@ def serve(llm, num_requests: int, utilization: float) -> dict:
             "budget_gib": round(utilization * total / 2**30, 2), "oom": oom or "no"}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="graphrunner bench capture", description=__doc__)
     parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
     parser.add_argument("--modes", nargs="+", default=["FULL_AND_PIECEWISE", "PIECEWISE", "FULL"], type=str.upper)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
@@ -70,8 +66,10 @@ def main() -> None:
     parser.add_argument("--serve", type=int, default=0, help="requests to serve after start-up (0: none)")
     parser.add_argument("--profile", type=int, default=0,
                         help="print the N functions of the first start-up with the most cumulative time (cProfile)")
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    add_out_argument(parser)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("graphrunner bench capture needs a CUDA GPU (torch sees none)")
     if args.cold:
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")
     from runner import LLM
@@ -108,8 +106,7 @@ def main() -> None:
             del llm, runner
             gc.collect()
             torch.cuda.empty_cache()
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+    write_json(args.out, "capture.json", rows)
     if args.serve:
         print("| mode | utilization | requests | output tokens | seconds | peak reserved GiB | budget GiB | OOM |")
         print("|---|---:|---:|---:|---:|---:|---:|---|")
@@ -123,7 +120,8 @@ def main() -> None:
         print(f"| {r['shape']} | {r['mode']} | {r['graphs']} | {r['precompile_s']} | {r['compile_wait_s']} | {r['capture_s']} | {r['cold']} | {r['actual_mib']} | "
               f"{r['estimate_mib']} | {r['estimate_over_actual']} | {r['first_graph_mib']} | {r['device_mib']} | "
               f"{r['start_up_s']} |")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

@@ -1,6 +1,6 @@
 """Does Triton compile kernels in parallel on threads here? (The premise of compile_ahead.)
 
-    python scripts/bench_compile_threads.py [--variants 8] [--threads 8]
+    graphrunner bench compile_threads [--variants 8] [--threads 8] [--out DIR]
 
 Compiles `--variants` distinct variants of the attention kernel (BLOCK_Q differs, half with
 split KV) for this machine's GPU, first one after another, then as many other variants on a
@@ -16,9 +16,8 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from runner.benchmarks.results import add_out_argument, write_json
 
 
 def compile_variant(index: int) -> float:
@@ -48,11 +47,12 @@ def compile_variant(index: int) -> float:
     return time.perf_counter() - started
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="graphrunner bench compile_threads", description=__doc__)
     parser.add_argument("--variants", type=int, default=8)
     parser.add_argument("--threads", type=int, default=8)
-    args = parser.parse_args()
+    add_out_argument(parser)
+    args = parser.parse_args(argv)
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-threads-")
     import triton
     started = time.perf_counter()
@@ -66,7 +66,11 @@ def main() -> None:
           f"one after another {serial_s:.2f} s (each {min(serial):.2f}-{max(serial):.2f} s), on "
           f"{args.threads} threads {threaded_s:.2f} s (each {min(threaded):.2f}-{max(threaded):.2f} s): "
           f"speedup {serial_s / threaded_s:.2f}x")
+    write_json(args.out, "compile_threads.json", {
+        "triton": triton.__version__, "cpus": os.cpu_count(), "variants": args.variants, "threads": args.threads,
+        "serial_s": serial_s, "threaded_s": threaded_s, "serial_each_s": serial, "threaded_each_s": threaded})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

@@ -1,8 +1,8 @@
 """Engine vs HF transformers generate on a CPU: 32 prompts x 64 new tokens, same run, printed ratio.
 
-    python scripts/bench_cpu.py [--model default] [--prompts 32] [--tokens 64] [--repeats 3]
-                                [--warmup-runs 1] [--lockstep-runs 3] [--threads N] [--warm-prefix-cache]
-                                [--json out.json]
+    graphrunner bench cpu [--model default] [--prompts 32] [--tokens 64] [--repeats 3]
+                          [--warmup-runs 1] [--lockstep-runs 3] [--threads N] [--warm-prefix-cache]
+                          [--out DIR]
 
 Both sides: fp32, greedy, ignore EOS (every request makes exactly --tokens tokens), the whole
 generate timed (prefill included). HF runs the whole batch in one left-padded `generate` call
@@ -11,8 +11,8 @@ continuous batching and the paged KV cache.
 
 Both models are loaded and warmed up with one untimed run of the whole workload each (`--warmup-runs`):
 a first run at full batch pays one-time costs (first touch of KV-cache pages, buffers growing to the
-batch's shapes) that no later run pays, on both sides (session 5 on this 2-core VM: engine 230 then
-315-334 tok/s, HF 228 then 241-256). Then the two sides alternate `--repeats` times
+batch's shapes) that no later run pays, on both sides (on a 2-core VM, `graphrunner bench cpu
+--warmup-runs 0 --repeats 3`: the engine's first pair 230 tok/s then 315-334, HF's 228 then 241-256). Then the two sides alternate `--repeats` times
 (engine, HF, engine, HF, ...) and the medians are reported (ratio = median engine / median HF;
 the per-pair ratios are printed too). On a small shared machine one other busy process slows
 a 2-thread run several-fold, so a pair during which other processes used more than
@@ -28,24 +28,23 @@ step instead of run by run. HF's `generate` calls its stopping criteria once per
 there the engine runs one `step()` (its first is the whole prefill, as HF's first token is), timed
 on its own clock, and HF's time is the wall time of `generate` minus the engine's. The engine's
 clock also counts its `add_request` calls (tokenizing the prompts, which HF's side does before
-timing). A slow spell of this shared VM (its neighbours' memory traffic, which /proc/stat does
-not show) then slows both sides within the same 0.1 s instead of one whole run: session 8 saw
-per-pair ratios of 0.92-1.46 alternating run by run, 1.22-1.30 in lockstep, same code.
+timing). A slow spell of a shared VM (its neighbours' memory traffic, which /proc/stat does
+not show) then slows both sides within the same 0.1 s instead of one whole run: on a 2-core VM,
+`graphrunner bench cpu --repeats 5 --lockstep-runs 5` gave per-pair ratios of 0.92-1.46 alternating
+run by run and 1.22-1.30 in lockstep, same code.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
+from runner.benchmarks.results import add_out_argument, write_json
 
 TOPICS = ["the ocean", "a robot", "mountains", "coffee", "the moon", "a library", "trains", "winter"]
 
@@ -160,8 +159,8 @@ def lockstep(engine: EngineSide, hf: HFSide, run: int) -> tuple[float, float]:
     return work / engine_seconds, work / hf_seconds
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="graphrunner bench cpu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
@@ -176,8 +175,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--warm-prefix-cache", action="store_true",
                         help="keep the engine's prefix cache between runs (less work than HF)")
-    parser.add_argument("--json", help="write the figures here")
-    args = parser.parse_args()
+    add_out_argument(parser)
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     from runner.engine import resolve_model_path
@@ -218,8 +217,7 @@ def main() -> None:
               "other_load_cores": [None if x is None else round(x, 2) for x in others], "dropped_pairs": len(dropped),
               "lockstep_runs": [[round(e, 1), round(h, 1)] for e, h in steps],
               "lockstep_ratio": round(statistics.median(step_ratios), 2) if steps else None}
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(args.out, "cpu.json", result)
     load = [("?" if x is None else f"{x:.2f}") for x in others]
     print("runs, engine / HF tok/s (ratio) [other processes' load in cores, engine / HF]: " + ", ".join(
         f"{e:.1f} / {h:.1f} ({e / h:.2f}x) [{load[2 * i]} / {load[2 * i + 1]}]"
@@ -235,7 +233,8 @@ def main() -> None:
         print(f"| lockstep (median ratio) | {statistics.median(e for e, _ in steps):.1f} | "
               f"{statistics.median(h for _, h in steps):.1f} | {statistics.median(step_ratios):.2f}x | "
               f"{torch.get_num_threads()} | {cache} |")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

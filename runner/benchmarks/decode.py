@@ -1,11 +1,11 @@
 """Decode-step latency per CUDA graph mode vs HF transformers eager and the memory floor, same run.
 
-    python scripts/bench_decode.py [--shapes smollm2-135m llama-3.2-1b llama-3-8b]
+    graphrunner bench decode [--shapes smollm2-135m llama-3.2-1b llama-3-8b]
         [--batch-sizes 1 8 32 128] [--modes NONE PIECEWISE FULL] [--warmup 5] [--steps 20]
         [--prompt-len 128] [--async-scheduling {auto,on,off}] [--no-hf] [--hf-max-batch N] [--quick]
-        [--json docs/bench_decode.json] [--plot docs/bench_decode.png]
+        [--out DIR] [--no-plot]
 
-Model shapes come from scripts/model_shapes.py, with random (`load_format="dummy"`) bf16 weights.
+Model shapes come from runner/benchmarks/model_shapes.py, with random (`load_format="dummy"`) bf16 weights.
 One engine per (shape, mode), graphs captured for exactly the batch sizes asked. For each batch
 size B: B requests with a random `--prompt-len`-token prompt (greedy, ignore_eos) are added, steps
 run until every request has its first token (prefill, chunked as the scheduler likes), then
@@ -51,15 +51,15 @@ How a step is timed (CUDA events; `time.perf_counter` on a CPU):
   `% of floor` = floor / ms per step.
 
 Prints capture figures per (shape, mode) (graph count, seconds, pool bytes from the model
-runner's capture summary; measured graph reserve) and then the main table, last. Writes the
-figures as JSON and a plot (ms/step vs batch size, log y, one panel per shape).
+runner's capture summary; measured graph reserve) and then the main table, last. With `--out DIR`,
+writes the figures to DIR/decode.json and a plot to DIR/decode.png (ms/step vs batch size, log y,
+one panel per shape).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import math
 import platform
@@ -71,14 +71,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import torch  # noqa: E402
+from runner.benchmarks.model_shapes import SHAPES, kv_bytes_per_token, parameter_bytes, write_config
+from runner.benchmarks.results import add_out_argument, result_path, write_json
 
-from model_shapes import SHAPES, kv_bytes_per_token, parameter_bytes, write_config  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SHAPES = ["smollm2-135m", "llama-3.2-1b", "llama-3-8b"]
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 BLOCK_SIZE = 16  # the engine's default; only used to size the KV cache
@@ -469,7 +466,8 @@ def plot(rows: list[Row], hf: dict[str, dict[int, float]], shapes: list[str], pa
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="graphrunner bench decode", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=None,
                         help=f"default: {' '.join(DEFAULT_SHAPES)}")
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=None, help="default: 1 8 32 128")
@@ -488,9 +486,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="run HF only up to this batch size (e.g. to skip HF bs 128 on the 8B shape)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: smollm2-135m, batch sizes 1 32, warmup 3, steps 10")
-    parser.add_argument("--json", type=Path, default=ROOT / "docs" / "bench_decode.json")
-    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "bench_decode.png")
-    parser.add_argument("--no-plot", action="store_true")
+    add_out_argument(parser)
+    parser.add_argument("--no-plot", action="store_true", help="do not write DIR/decode.png")
     parser.add_argument("-v", "--verbose", action="store_true", help="engine INFO logs (capture, KV cache)")
     # For a CPU smoke run of the code paths (every mode resolves to NONE there); not a benchmark.
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help=argparse.SUPPRESS)
@@ -511,12 +508,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> int:
+    run(argv)
+    return 0
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Run the benchmark; print the tables and return the figures (also written under --out)."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench_decode needs a CUDA GPU (torch sees none)")
+        raise SystemExit("graphrunner bench decode needs a CUDA GPU (torch sees none)")
     device = torch.device(args.device)
     elem = DTYPES[args.dtype].itemsize
     overrides = {} if args.num_layers is None else {"num_hidden_layers": args.num_layers}
@@ -560,11 +563,9 @@ def main(argv: list[str] | None = None) -> dict:
         "rows": [asdict(r) for r in rows],
         "hf_ms_per_step": {shape: {str(b): ms for b, ms in per.items()} for shape, per in hf.items()},
     }
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
-    if args.plot and not args.no_plot:
-        plot(rows, hf, args.shapes, args.plot,
+    write_json(args.out, "decode.json", result)
+    if args.out is not None and not args.no_plot:
+        plot(rows, hf, args.shapes, result_path(args.out, "decode.png"),
              f"decode step, {device_name}, {args.dtype}, prompt {args.prompt_len}, median of {args.steps}")
     print(f"\n{device_name}, {args.dtype}, prompt {args.prompt_len} tokens, median of {args.steps} decode steps "
           f"after {args.warmup}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; total {result['seconds']:.0f} s\n")
@@ -575,4 +576,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

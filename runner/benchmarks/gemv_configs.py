@@ -1,7 +1,7 @@
 """One decode row's GEMVs: tile configurations of the small-batch kernel against cuBLAS and the copy bandwidth.
 
-    python scripts/bench_gemv_configs.py [--shapes smollm2-135m llama-3.2-1b llama-3-8b] [--json PATH]
-    python scripts/bench_gemv_configs.py --device cpu --shapes tiny --configs 2   # smoke (TRITON_INTERPRET=1)
+    graphrunner bench gemv_configs [--shapes smollm2-135m llama-3.2-1b llama-3-8b] [--out DIR]
+    graphrunner bench gemv_configs --device cpu --shapes tiny --configs 2   # smoke (TRITON_INTERPRET=1)
 
 Why: at one row a decode step is a chain of GEMVs whose time is their weight bytes over HBM
 bandwidth, and `models/small_batch_kernels.block_sizes` only guessed its tiles (bench_linear, run
@@ -16,20 +16,16 @@ each reading its own weight copy (cold, from HBM), median of the replays.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from bench_decode import copy_bandwidth  # noqa: E402
-from bench_linear import COLD_BYTES, shape_dims, time_us_per_call, unavailable  # noqa: E402
-from model_shapes import SHAPES  # noqa: E402
+from runner.benchmarks.decode import copy_bandwidth
+from runner.benchmarks.linear import COLD_BYTES, shape_dims, time_us_per_call, unavailable
+from runner.benchmarks.model_shapes import SHAPES
+from runner.benchmarks.results import add_out_argument, write_json
 
 CONFIGS = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
     (2, 1024, 4, 1), (4, 512, 4, 1), (4, 1024, 4, 1), (8, 256, 4, 1), (8, 512, 4, 1), (8, 512, 4, 3),
@@ -47,8 +43,14 @@ def weights_of(shape: str) -> dict[str, tuple[int, int]]:
             "lm_head": (vocab, d["hidden"])}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    run(argv)
+    return 0
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Run the benchmark; print the table and return the figures (also written to DIR/gemv_configs.json with --out)."""
+    parser = argparse.ArgumentParser(prog="graphrunner bench gemv_configs", description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["smollm2-135m", "llama-3.2-1b", "llama-3-8b"],
                         choices=sorted(SHAPES) + ["tiny"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -56,11 +58,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--configs", type=int, default=len(CONFIGS), help="the first N of CONFIGS")
     parser.add_argument("--repeats", type=int, default=50, help="calls captured into one graph")
     parser.add_argument("--replays", type=int, default=20)
-    parser.add_argument("--json", type=Path, default=None)
+    add_out_argument(parser)
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
-    skipped = unavailable(device, "bench_gemv_configs")
+    skipped = unavailable(device, "graphrunner bench gemv_configs")
     if skipped:
         return skipped
     from models import small_batch_kernels as sbk
@@ -104,10 +106,9 @@ def main(argv: list[str] | None = None) -> dict:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     result = dict(device=name, dtype=args.dtype, copy_gbps=copy, rows=rows)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.out, "gemv_configs.json", result)
     return result
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

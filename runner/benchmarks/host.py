@@ -1,7 +1,7 @@
 """Host time of one engine decode step on a CPU: everything `LLMEngine.step()` does besides the model.
 
-    python scripts/bench_host.py [--batch-sizes 1 8 32 128] [--steps 100] [--warmup 20] [--repeats 3]
-        [--prompt-len 32] [--tokenizer none smollm2] [--threads 1] [--json out.json]
+    graphrunner bench host [--batch-sizes 1 8 32 128] [--steps 100] [--warmup 20] [--repeats 3]
+        [--prompt-len 32] [--tokenizer none smollm2] [--threads 1] [--out DIR]
         [--profile [--profile-batch-size 32] [--top 30]]
 
 Why: with CUDA graphs a decode step's GPU time is small (tenths of a ms for small models at
@@ -10,16 +10,15 @@ the scheduler update, detokenization, outputs) decides the step time unless it s
 it. That host work is the same Python on a CPU as on the GPU machine's host, so it can be
 measured and optimised here in seconds, without a GPU.
 
-What it measures: `host ms`, with the definition of scripts/bench_decode.py (same `StepMarks`):
+What it measures: `host ms`, with the definition of runner/benchmarks/decode.py (same `StepMarks`):
 (start -> forward) + (sampled -> end), where `start`/`end` are taken around `engine.step()`,
 `forward` just before the model runner calls the model (after inputs and attention metadata
 are built) and `sampled` just after its `sample` returned the tokens to the host. So the
 forward and the logits + sampling are excluded; everything else in the step is in.
 
 What it does not show: the GPU path's own host costs (the host-to-device copies of the step's
-inputs, a few µs each) and the GPU machine's CPU. Before the host-path work the same code
-measured 0.82-0.94 ms at batch 32 on the H100 machine's host (docs/PERFORMANCE.md) and
-0.41-0.43 ms here: read this bench's figures as about half of what that host will show.
+inputs, a few µs each) and the speed of a GPU server's CPU, which may differ from the one this
+runs on by 2x either way: compare figures taken on one machine only.
 
 Setup: the SmolLM2-135M shape cut to one tiny layer (hidden 16) with random (`load_format=
 "dummy"`) fp32 weights. Without a tokenizer the vocabulary is cut to 512 tokens too, so the
@@ -44,7 +43,6 @@ prints the top functions by own time (forward included: look for the host functi
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -53,13 +51,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import torch  # noqa: E402
-
-from bench_decode import Clock, StepMarks  # noqa: E402
-from model_shapes import write_config  # noqa: E402
+from runner.benchmarks.decode import Clock, StepMarks
+from runner.benchmarks.model_shapes import write_config
+from runner.benchmarks.results import add_out_argument, write_json
 
 TINY_OVERRIDES = dict(num_hidden_layers=1, hidden_size=16, intermediate_size=16, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=8)
@@ -218,7 +214,7 @@ def print_table(rows: list[Row]) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="graphrunner bench host", description=__doc__.split("\n")[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--steps", type=int, default=100, help="timed decode steps per repeat")
     parser.add_argument("--warmup", type=int, default=20)
@@ -226,14 +222,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--tokenizer", nargs="+", choices=["none", "smollm2"], default=["none", "smollm2"])
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the forward is not measured)")
-    parser.add_argument("--json", type=Path, default=None)
+    add_out_argument(parser)
     parser.add_argument("--profile", action="store_true", help="cProfile some decode steps afterwards")
     parser.add_argument("--profile-batch-size", type=int, default=32)
     parser.add_argument("--top", type=int, default=30)
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> int:
+    run(argv)
+    return 0
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Run the benchmark; print the table and return the figures (also written to DIR/host.json with --out)."""
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     max_model_len = args.prompt_len + args.warmup + args.steps * (args.repeats + 1) + 200
@@ -253,10 +255,9 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(rows)
     result = {"steps": args.steps, "repeats": args.repeats, "prompt_len": args.prompt_len, "threads": args.threads,
               "started": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": [asdict(r) for r in rows]}
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, "host.json", result)
     return result
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

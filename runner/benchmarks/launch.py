@@ -1,6 +1,6 @@
 """Host cost of the eager part of a PIECEWISE layer: one attention launch and one graph replay.
 
-    python scripts/bench_launch.py [--calls 300] [--json F]
+    graphrunner bench launch [--calls 300] [--out DIR]
 
 PIECEWISE replays a graph segment per layer and launches attention eagerly between segments, so
 its step time on a small model is bound by host microseconds per layer, not by the GPU. This
@@ -16,15 +16,13 @@ is a few microseconds, so the launch queue never fills), median of 5 repeats, mi
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from runner.benchmarks.results import add_out_argument, write_json
 
 
 def host_us(fn, calls: int, repeats: int = 5) -> float:
@@ -70,13 +68,19 @@ def graph_replay_case():
     return graph.replay
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    run(argv)
+    return 0
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Run the benchmark; print the table and return the figures (also written to DIR/launch.json with --out)."""
+    parser = argparse.ArgumentParser(prog="graphrunner bench launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=300)
-    parser.add_argument("--json", type=Path)
+    add_out_argument(parser)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench_launch: no CUDA device, nothing to measure")
+        print("graphrunner bench launch: no CUDA device, nothing to measure")
         return {}
     from attention.kernels import fast_launch
     rows = {}
@@ -92,10 +96,9 @@ def main(argv: list[str] | None = None) -> dict:
     print("| host work | us per call |\n|---|---:|")
     for name, us in rows.items():
         print(f"| {name} | {us:.1f} |")
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+    write_json(args.out, "launch.json", rows)
     return rows
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

@@ -1,10 +1,10 @@
 """Decode-size projections: the unfused kernels (cuBLAS + norm / SiLU kernels) vs models/small_batch_kernels.py.
 
-    python scripts/bench_linear.py [--shapes smollm2-135m llama-3.2-1b llama-3-8b] [--rows 1 2 4 8 16 32]
-                                   [--dtype bfloat16] [--json PATH]
-    python scripts/bench_linear.py --device cpu --shapes tiny --rows 1 3 --repeats 2   # smoke (TRITON_INTERPRET=1)
+    graphrunner bench linear [--shapes smollm2-135m llama-3.2-1b llama-3-8b] [--rows 1 2 4 8 16 32]
+                         [--dtype bfloat16] [--out DIR]
+    graphrunner bench linear --device cpu --shapes tiny --rows 1 3 --repeats 2   # smoke (TRITON_INTERPRET=1)
 
-Per model shape (scripts/model_shapes.py) and row count M, one decoder layer's four projections:
+Per model shape (runner/benchmarks/model_shapes.py) and row count M, one decoder layer's four projections:
 
     qkv      unfused: add_rms_norm + F.linear                   fused: norm_linear
     o        unfused: F.linear                                  fused: linear (Triton GEMV)
@@ -24,27 +24,23 @@ a real step, where a model's layers do not fit in L2; `--hot` uses one copy (L2-
 shapes). The ratio is unfused / fused: above 1, the fused kernels win.
 
 On a CPU (`--device cpu`, Triton's interpreter) the same code runs without graphs, timed by the
-host clock: a smoke test of the script (tests/test_bench_scripts.py), not a measurement.
+host clock: a smoke test of the code (tests/test_benchmarks.py), not a measurement.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from model_shapes import SHAPES  # noqa: E402
+from runner.benchmarks.model_shapes import SHAPES
+from runner.benchmarks.results import add_out_argument, write_json
 
 COLD_BYTES = 256 << 20
 """Weight bytes the captured calls of one variant read in all (> 5x an H100's 50 MB L2)."""
@@ -181,8 +177,14 @@ def time_us_per_call(fn, repeats: int, replays: int, device: torch.device) -> fl
     return statistics.median(times)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    run(argv)
+    return 0
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Run the benchmark; print the table and return the figures (also written to DIR/linear.json with --out)."""
+    parser = argparse.ArgumentParser(prog="graphrunner bench linear", description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["smollm2-135m", "llama-3.2-1b", "llama-3-8b"],
                         choices=sorted(SHAPES) + ["tiny"])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
@@ -191,11 +193,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=50, help="calls captured into one graph")
     parser.add_argument("--replays", type=int, default=20, help="timed replays (the median is reported)")
     parser.add_argument("--hot", action="store_true", help="one weight copy for all calls (L2-resident)")
-    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    add_out_argument(parser)
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
-    skipped = unavailable(device, "bench_linear")
+    skipped = unavailable(device, "graphrunner bench linear")
     if skipped:
         return skipped
     from models.small_batch_kernels import MAX_ROWS
@@ -249,10 +251,9 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['ratio']:.2f} |")
     result = dict(device=name, dtype=args.dtype, repeats=args.repeats, replays=args.replays, hot=args.hot,
                   rows=rows_out, rope_rows=rope_rows)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.out, "linear.json", result)
     return result
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

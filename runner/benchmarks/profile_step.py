@@ -1,6 +1,6 @@
 """Where one decode step's GPU time goes: the kernels of a replayed step, from the profiler.
 
-    python scripts/profile_step.py [--shape smollm2-135m] [--mode FULL] [--batch-size 1] [--steps 10]
+    graphrunner bench profile_step [--shape smollm2-135m] [--mode FULL] [--batch-size 1] [--steps 10]
         [--prompt-len 128] [--top 25] [--host-profile]
 
 Builds the engine (dummy bf16 weights of the shape, graphs captured for --batch-size only), lets
@@ -20,12 +20,9 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import torch  # noqa: E402
-
-from model_shapes import SHAPES, write_config  # noqa: E402
+from runner.benchmarks.model_shapes import SHAPES, write_config
 
 
 GAP_US = 50
@@ -51,8 +48,8 @@ def host_profile(engine, steps: int, top: int) -> None:
         print(f"| {where[:80]} | {calls / steps:.0f} | {own / steps * 1e6:.1f} | {cumulative / steps * 1e6:.1f} |")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="graphrunner bench profile_step", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
     parser.add_argument("--mode", default="FULL", type=str.upper)
     parser.add_argument("--batch-size", type=int, default=1)
@@ -61,7 +58,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--host-profile", action="store_true")
     parser.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from configs import SamplingParams
     from runner import LLM
     from torch.profiler import ProfilerActivity, profile
@@ -90,7 +87,7 @@ def main() -> None:
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     if not kernels:
         print("the profiler saw no kernels")
-        return
+        return 1
     by_name = defaultdict(lambda: [0, 0.0])
     for e in kernels:
         by_name[e.name][0] += 1
@@ -106,7 +103,8 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     for name, (count, total) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:args.top]:
         print(f"| {name[:90]} | {count / n:.1f} | {total / n:.1f} | {total / count:.2f} |")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

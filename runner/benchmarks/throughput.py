@@ -1,13 +1,13 @@
 """Offline throughput, nano-vllm's recipe: 256 random requests through `LLM.generate`, end to end.
 
-    python scripts/bench_throughput.py [--shape qwen3-0.6b] [--mode FULL_AND_PIECEWISE]
-        [--num-seqs 256] [--min-len 100] [--max-input-len 1024] [--max-output-len 1024] [--json PATH]
-    python scripts/bench_throughput.py --cpu-small     # CPU smoke: 4-layer SmolLM2 shape, 16 short requests
+    graphrunner bench throughput [--shape qwen3-0.6b] [--mode FULL_AND_PIECEWISE]
+        [--num-seqs 256] [--min-len 100] [--max-input-len 1024] [--max-output-len 1024] [--out DIR]
+    graphrunner bench throughput --cpu-small     # CPU smoke: 4-layer SmolLM2 shape, 16 short requests
 
 As nano-vllm's bench.py: `random.seed(0)`; per request a prompt of `randint(100, max_input_len)`
 token ids drawn with `randint(0, 10000)`, then per request `SamplingParams(temperature=0.6,
 ignore_eos=True, max_tokens=randint(100, max_output_len))`; max_model_len 4096; dummy weights in
-bf16 (the Qwen3-0.6B shape of scripts/model_shapes.py). One short warm-up generate, then the timed
+bf16 (the Qwen3-0.6B shape of runner/benchmarks/model_shapes.py). One short warm-up generate, then the timed
 `llm.generate(prompts, params)`. Output tok/s = generated tokens / seconds (nano-vllm's
 "Throughput"); total tok/s counts the prompt tokens too. Engine start-up is not timed.
 
@@ -18,7 +18,6 @@ tokens, fp32 on the CPU (well under 2 minutes on 2 cores); for CI, not a benchma
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import random
 import sys
@@ -26,10 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from model_shapes import SHAPES, write_config  # noqa: E402
+from runner.benchmarks.model_shapes import SHAPES, write_config
+from runner.benchmarks.results import add_out_argument, write_json
 
 CPU_SMALL = dict(shape="smollm2-135m", num_layers=4, num_seqs=16, min_len=16, max_input_len=64, max_output_len=64,
                  dtype="float32", device="cpu", max_model_len=256)
@@ -47,7 +44,7 @@ def make_workload(num_seqs: int, min_len: int, max_input_len: int, max_output_le
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="graphrunner bench throughput", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default qwen3-0.6b")
     parser.add_argument("--mode", default="FULL_AND_PIECEWISE", type=str.upper,
                         choices=["NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"],
@@ -66,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpu-small", action="store_true",
                         help="CPU smoke run: " + ", ".join(f"{k}={v}" for k, v in CPU_SMALL.items()))
-    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    add_out_argument(parser)
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     defaults = dict(shape="qwen3-0.6b", device="auto", dtype="bfloat16", num_seqs=256, min_len=100,
@@ -83,8 +80,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Run the benchmark; print and return the figures (also written to --json)."""
+def main(argv: list[str] | None = None) -> int:
+    run(argv)
+    return 0
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Run the benchmark; print and return the figures (also written to DIR/throughput.json with --out)."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
@@ -142,11 +144,9 @@ def main(argv: list[str] | None = None) -> dict:
           f"{args.num_seqs} seqs, {input_tokens} in + {output_tokens} out tokens in {seconds:.2f} s; "
           f"output {result['output_tok_s']:.1f} tok/s, total {result['total_tok_s']:.1f} tok/s "
           f"(start-up {startup:.1f} s)")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, "throughput.json", result)
     return result
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))
