@@ -12,7 +12,8 @@ continuous batching and the paged KV cache.
 Both models are loaded and warmed up with one untimed run of the whole workload each (`--warmup-runs`):
 a first run at full batch pays one-time costs (first touch of KV-cache pages, buffers growing to the
 batch's shapes) that no later run pays, on both sides (on a 2-core VM, `graphrunner bench cpu
---warmup-runs 0 --repeats 3`: the engine's first pair 230 tok/s then 315-334, HF's 228 then 241-256). Then the two sides alternate `--repeats` times
+--warmup-runs 0 --repeats 3`: the engine's first run 230 tok/s then 315-334, HF's 228 then 241-256).
+Then the two sides alternate `--repeats` times
 (engine, HF, engine, HF, ...) and the medians are reported (ratio = median engine / median HF;
 the per-pair ratios are printed too). On a small shared machine one other busy process slows
 a 2-thread run several-fold, so a pair during which other processes used more than

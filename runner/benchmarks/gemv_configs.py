@@ -4,8 +4,8 @@
     graphrunner bench gemv_configs --device cpu --shapes tiny --configs 2   # smoke (TRITON_INTERPRET=1)
 
 Why: at one row a decode step is a chain of GEMVs whose time is their weight bytes over HBM
-bandwidth, and `models/small_batch_kernels.block_sizes` only guessed its tiles (bench_linear, run
-G: the Triton GEMV lost to cuBLAS on Llama-3-8B's gate_up, 89 -> 129 us). This script measures,
+bandwidth, and a guessed tile can lose to cuBLAS on a large weight (`graphrunner bench linear`
+shows it per projection). This benchmark measures,
 for every weight of a layer and the LM head, x [1, K] @ W[N, K].T through `small_batch_kernels.linear`
 with each (BLOCK_N, BLOCK_K, num_warps, num_stages) of CONFIGS, next to F.linear (cuBLAS) and the
 device-to-device copy bandwidth of the same run, and prints GB/s (weight bytes / time) for each:
