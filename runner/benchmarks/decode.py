@@ -54,6 +54,10 @@ Prints capture figures per (shape, mode) (graph count, seconds, pool bytes from 
 runner's capture summary; measured graph reserve) and then the main table, last. With `--out DIR`,
 writes the figures to DIR/decode.json and a plot to DIR/decode.png (ms/step vs batch size, log y,
 one panel per shape).
+
+One file of ~580 lines: the step marks, the engine and HF loops, the floor and the report share the
+Row / EngineFigures types and are read together when a figure looks wrong; runner/benchmarks/host.py
+and attention.py import its Clock, StepMarks and copy_bandwidth.
 """
 
 from __future__ import annotations
