@@ -6,7 +6,7 @@
 RoPE is written in the legacy form (`rope_theta` + `rope_scaling`), as the checkpoints on the
 hub still ship it: transformers 5.x converts it into `rope_parameters` on load, and 4.56 reads it
 as is. The 5.x-only `rope_parameters` key would be ignored by 4.56 (rope_theta would silently fall
-back to 10000), so it is not written. tests/test_bench_scripts.py checks the round trip.
+back to 10000), so it is not written. tests/test_benchmarks.py checks the round trip.
 """
 
 from __future__ import annotations
