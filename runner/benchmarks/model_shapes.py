@@ -1,6 +1,6 @@
 """HF config.json contents of the model shapes the benchmarks use (no weights: load_format="dummy").
 
-    from scripts.model_shapes import SHAPES, write_config
+    from runner.benchmarks.model_shapes import SHAPES, write_config
     path = write_config("llama-3-8b", "/tmp/llama-3-8b")   # -> /tmp/llama-3-8b (folder with config.json)
 
 RoPE is written in the legacy form (`rope_theta` + `rope_scaling`), as the checkpoints on the
