@@ -44,12 +44,12 @@ def fused(x: torch.Tensor):
 
 SMALL_BATCH_MAX_ROWS = 1
 """Token counts (x.shape[0]) up to this run a decoder layer through models/small_batch_kernels.py.
-Measured on an H100 (scripts/bench_linear.py, bf16, in a CUDA graph, cold weights; docs/PERFORMANCE.md):
-at 1 row the fused kernels beat cuBLAS + the separate norm / SiLU*mul kernels on small weights
-(SmolLM2 layer 20.7 -> 11.9 us), but from 2 rows their tl.dot path loses to cuBLAS at every shape
-(SmolLM2 layer 21.5 -> 25.0 us at 2 rows, 21.7 -> 30.8 at 32). With the one-row tiles measured in
-session 4 (small_batch_kernels.ONE_ROW_TILES) the one-row GEMV also beats cuBLAS on large
-weights, so every projection of a one-row step takes it (session 3 kept weights > 16 MiB on cuBLAS)."""
+Measured on an H100 (`graphrunner bench linear --rows 1 2 32`: bf16, in a CUDA graph, cold weights;
+docs/PERFORMANCE.md): at 1 row the fused kernels beat cuBLAS + the separate norm / SiLU*mul kernels
+(SmolLM2 layer 20.6 -> 11.8 us), but from 2 rows their tl.dot path loses to cuBLAS at every shape
+(SmolLM2 layer 21.5 -> 25.0 us at 2 rows, 21.7 -> 30.8 at 32). With the one-row tiles of
+small_batch_kernels.ONE_ROW_TILES (`graphrunner bench gemv_configs`) the one-row GEMV also beats
+cuBLAS on large weights, so every projection of a one-row step takes it."""
 
 @functools.cache
 def _small_batch_kernels():
@@ -75,9 +75,9 @@ def small_batch(x: torch.Tensor):
 logger = logging.getLogger(__name__)
 
 PACKED_MAX_ROWS = 64
-"""Row counts up to this use the packed weight: measured on a 2-core Xeon (SmolLM2-135M shapes,
-weights cold as in a decode step), packed is 20-35% faster than F.linear for 4-64 rows, equal
-for 1-2, and slower from 128 rows (prefill), where MKL's own packing of B is amortised."""
+"""Row counts up to this use the packed weight: on a 2-core Xeon (SmolLM2-135M shapes, weights
+cold as in a decode step), packed is faster than F.linear for 4-64 rows, equal for 1-2, and
+slower from 128 rows (prefill), where MKL's own packing of B is amortised."""
 _PACK_HINT_ROWS = 32
 class PerWeight:
     """A value derived from a weight tensor (an MKL pack, a bf16 copy), built by `build(weight)` on

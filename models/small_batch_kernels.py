@@ -1,7 +1,8 @@
 """Fused linear kernels for few rows (decode): the norm folded into the projection, SiLU*mul into gate_up.
 
 A small model's decode step replayed from a CUDA graph is bound by the number and latency of its
-kernels, not by bytes: SmolLM2-135M spends ~4 us in each of its 120 cuBLAS GEMMs per step, plus an
+kernels, not by bytes: SmolLM2-135M spends ~4 us in each of its 120 cuBLAS GEMMs per step on an
+H100 (`GRAPHRUNNER_FUSED_OPS=0 graphrunner bench profile_step --mode FULL --batch-size 1`), plus an
 add+RMSNorm and a SiLU*mul kernel per layer. Here one launch does what took two:
 
     norm_linear(x, residual, norm_w, eps, W, b)        = (RMSNorm(x + residual) @ W.T + b, x + residual)
@@ -35,7 +36,7 @@ Design (one kernel, `_small_rows_kernel`, specialised by constexpr flags):
     to the model dtype before silu(gate) (rounded) * up (rounded), as `_silu_and_mul_kernel`.
   * no host syncs and no value-dependent allocation: everything runs inside CUDA graph capture.
 
-One-row tiles are measured (scripts/bench_gemv_configs.py, ONE_ROW_TILES); the tl.dot tiles of
+One-row tiles are measured (`graphrunner bench gemv_configs`, ONE_ROW_TILES); the tl.dot tiles of
 2..MAX_ROWS rows are not tuned (the model sends only one row here: models.layers.SMALL_BATCH_MAX_ROWS)."""
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ since the interpreter's cost is per program."""
 
 ONE_ROW_TILES = dict(block_n=2, block_k=1024, num_warps=4, num_stages=1)
 """A GPU's one-row tiles (BLOCK_N plain columns, or gate/up or RoPE column pairs at half of it).
-Measured on an H100 (scripts/bench_gemv_configs.py, run M, 16 configurations, bf16, cold weights):
+Measured on an H100 (`graphrunner bench gemv_configs`: 16 configurations, bf16, cold weights):
 2 x 1024 with 4 warps is the fastest or within 3% of it for every weight of SmolLM2-135M,
 Llama-3.2-1B and Llama-3-8B, and beats cuBLAS on all but SmolLM2's LM head (tied): e.g. Llama-3-8B
 gate_up 84.5 -> 79.0 us (2974 GB/s), its LM head 381 -> 337 us, Llama-3.2-1B down 15.8 -> 13.7.
@@ -255,7 +256,7 @@ def _stages(rows: int, device: torch.device) -> int:
 
 def _launch(x, residual, norm_weight, eps, weight, bias, gated: bool, config: tuple | None = None):
     """`config` = (BLOCK_N, BLOCK_K, num_warps, num_stages) overrides block_sizes for one row
-    (scripts/bench_gemv_configs.py sweeps it)."""
+    (`graphrunner bench gemv_configs` sweeps it)."""
     if x.dim() != 2:
         raise ValueError(f"expected 2-D x, got {tuple(x.shape)}")
     rows, k = x.shape

@@ -52,15 +52,22 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import runpy
-    from pathlib import Path
-    scripts = Path(__file__).resolve().parent.parent / "scripts"
-    script = scripts / f"bench_{args.which}.py"
-    if not script.is_file():
-        raise SystemExit(f"no benchmark {args.which!r} (looked for {script})")
-    sys.argv = [str(script)] + args.rest
-    runpy.run_path(str(script), run_name="__main__")
-    return 0
+    """Import runner.benchmarks.<which> from the installed package and call its main(rest)."""
+    import importlib
+
+    from runner.benchmarks import available
+    names = available()
+    if args.which not in names:
+        raise SystemExit(f"no benchmark {args.which!r}; available: {', '.join(names)}")
+    module = importlib.import_module(f"runner.benchmarks.{args.which}")
+    return module.main(list(args.rest)) or 0
+
+
+def _bench_list() -> str:
+    from runner.benchmarks import available
+    lines = ["benchmarks (runner/benchmarks/NAME.py; `graphrunner bench NAME --help` for each one's options):"]
+    lines += [f"  {name:<16} {summary}" for name, summary in available().items()]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,9 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--pipeline-parallel-size", type=int, default=1, help="processes, each with a slice of layers")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.set_defaults(func=_generate)
-    bench = sub.add_parser("bench", help="run scripts/bench_<which>.py")
-    bench.add_argument("which", choices=["cpu", "decode", "throughput", "attention"])
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench = sub.add_parser("bench", help="run a benchmark of runner/benchmarks/ (raw results go to --out DIR)",
+                           description="graphrunner bench NAME [ARGS...]: run the benchmark NAME with its own "
+                                       "arguments (most take --out DIR for their raw results).",
+                           epilog=_bench_list(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_argument("which", metavar="NAME", help="a benchmark listed below")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     bench.set_defaults(func=_bench)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

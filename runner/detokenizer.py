@@ -24,10 +24,9 @@ class IncrementalDetokenizer:
     """Keeps a request's text equal to `decode(output).rstrip("\\ufffd")` after every token.
 
     Stripping U+FFFD holds back a character that a byte-level BPE token leaves unfinished
-    (it completes with the next one). Decoding the whole output every step costs O(length):
-    60 µs at 200 tokens for SmolLM2's tokenizer, per request per step. So with a fast
-    tokenizer the text grows by the new tokens only (tokenizers' DecodeStream, about 2 µs a
-    token), which gives the same text whenever the stream holds nothing back. When it does
+    (it completes with the next one). Decoding the whole output every step costs O(length)
+    per request per step. So with a fast tokenizer the text grows by the new tokens only
+    (tokenizers' DecodeStream, a constant cost per token), which gives the same text whenever the stream holds nothing back. When it does
     (an unfinished character, a skipped special token: a third of the steps in emoji or CJK
     text), the held tokens are decoded on their own after the streamed text: exact for a
     byte-level decoder, because the stream last let go at a character boundary. Other

@@ -47,7 +47,7 @@ class _Buffer:
 
     def upload_if_changed(self, n: int) -> None:
         """`upload`, unless the last upload (through here) sent the same bytes for the same n: a
-        copy costs ~5 us of host time, comparing a few hundred bytes ~0.4 us. For buffers that
+        host-to-device copy costs far more host time than comparing a few hundred bytes. For buffers that
         often hold what the device has (query_start_loc and token_request_index of decode steps:
         0, 1, 2, ...). Any other write to the device rows must `forget` (none does today)."""
         data = self.np[:n].tobytes()

@@ -4,7 +4,7 @@ Prefix caching: every FULL block of a request is named by a chained hash,
 `sha256(parent_hash || token ids of the block)`, so equal hashes mean equal whole prefixes,
 not just equal blocks. sha256 rather than Python's `hash()`: a 64-bit collision would
 silently hand one request another prompt's keys/values, and a digest is also the same in
-every process (pipeline ranks, restarts) while costing ~1 us per block.
+every process (pipeline ranks, restarts), and hashing a block's few token ids is cheap.
 
 Blocks become cached only once their keys/values are really in the cache: the scheduler
 calls `cache_full_blocks(request)` right after it advances `num_computed_tokens` past a block

@@ -40,8 +40,9 @@ class DecodeOutput:
     """The forward of a uniform-decode step replayed from a graph, on the last stage: the hidden
     rows plus what sampling needs, computed inside the graph: every row's logits (model dtype) and
     their greedy argmax. Why: after the replay the host would otherwise launch the LM head and the
-    two argmax kernels eagerly, ~0.1 ms of host time per step (SmolLM2 bs1 on an H100, run T); a
-    greedy step now only copies the tokens out. The logits stay in the graph pool (`pool_fields`:
+    two argmax kernels eagerly, ~0.1 ms of host time per step (SmolLM2 bs1 on an H100's host:
+    sampling's host time 486 -> 121 us a step in `graphrunner bench profile_step --mode FULL
+    --batch-size 1 --host-profile`); a greedy step now only copies the tokens out. The logits stay in the graph pool (`pool_fields`:
     a FULL graph copies out hidden and the tokens only), valid until the next replay: the step's
     sampling is enqueued before any later replay."""
     hidden: torch.Tensor
@@ -268,8 +269,8 @@ class ModelRunner:
         captures go largest first into ONE pool shared by both modes, every later graph reuses
         the blocks the earlier ones freed, and no graph keeps an output of its own (see
         `CUDAGraphWrapper`), so the pool peaks at the most any single graph needs. (Capturing
-        both largest graphs into one throwaway pool measured 1.56x the real cost on an H100:
-        docs/PERFORMANCE.md.)"""
+        both largest graphs into one throwaway pool would count the second on top of the first,
+        which the real pool never holds. `graphrunner bench capture` prints estimate / actual.)"""
         if self.cudagraph_mode == CUDAGraphMode.NONE or self.device.type != "cuda":
             return 0
         largest = {}   # per mode, the largest uniform-decode graph (it holds the LM head: DecodeOutput) and mixed one

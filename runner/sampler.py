@@ -27,9 +27,9 @@ def _greedy_kernels():
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """`logits.argmax(dim=-1)` of 2-D logits; on a GPU by runner/greedy.py's two short launches
-    (torch's reduction takes 13-37 us for one row of a large vocabulary there). On a CPU by
-    `max(dim=-1).indices`: the same index (the first maximum; NaN wins as in argmax) in half the
-    time (32 x 49152 fp32: 0.85 ms against 1.7 ms on the 2-core CI CPU)."""
+    (torch's one-block reduction is slow for one row of a large vocabulary: see that module). On a
+    CPU by `max(dim=-1).indices`: the same index (the first maximum; NaN wins as in argmax), and
+    faster than argmax there for a decode batch's logits."""
     kernels = _greedy_kernels() if logits.is_cuda else None
     if kernels is not None:
         return kernels.argmax_rows(logits)

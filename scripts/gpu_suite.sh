@@ -1,102 +1,155 @@
 #!/usr/bin/env bash
-# Everything a GPU session checks, in one call on the device machine:
-#   bash scripts/gpu_suite.sh [tests|bench|pp|goals|compare|s7|s7b|all]      (default: all = tests + bench)
-# tests:   the `cuda`-marked tests plus the Triton kernel tests compiled for the GPU;
-# bench:   attention bandwidth, decode latency per graph mode vs HF and the memory floor, offline
-#          throughput, address-check cost;
-# pp:      the two-GPU pipeline tests;
-# goals:   GPU tests, then the goal figures: decode per mode with HF, capture cold then warm with
-#          serving at gpu_memory_utilization 0.95, throughput;
-# compare: FULL decode of SmolLM2 / Llama-3.2-1B with PDL off, on, and (OLD_TREE=dir, a checkout of an
-#          earlier commit) that code, in one run; FULL profiles.
-# s7, s7b: session 7's runs (the PIECEWISE step graph: GPU tests; replay variants, decode, capture);
-#          docs/PERFORMANCE.md §S7.
-# The stages of earlier sessions (probe, s3*, s4*, s5*, s6*, ...) live in the commits docs/PERFORMANCE.md
-# names for each run.
-# Logs go to $OUT/suite.log, figures to $OUT/*.json and $OUT/*.png; a short table comes last.
+# The GPU checks of graphrunner in one call, on a machine with an NVIDIA GPU:
+#   bash scripts/gpu_suite.sh [--out DIR] [STAGE...]            (default: tests bench)
+# Stages, each named for what it measures:
+#   tests       every `cuda`-marked test (one GPU; the pipeline tests are the `pp` stage) and the
+#               Triton kernel tests compiled for the GPU
+#   bench       decode-step latency, FULL and PIECEWISE, dummy bf16 weights: the SmolLM2-135M and
+#               Llama-3.2-1B shapes at batch 1 and 32, Llama-3-8B at batch 1; two rounds. With
+#               OLD_TREE=DIR (a checkout of another commit) each round also runs that tree's decode
+#               benchmark, so a change is measured against its absence in one run
+#   decode-hf   decode latency per mode at batch 1-128 for the three shapes against HF transformers
+#               eager and the memory floor, with the plot (docs/plots/decode_h100.png)
+#   attention   decode attention bandwidth against a device-to-device copy
+#   throughput  offline throughput, nano-vllm's recipe (Qwen3-0.6B shape)
+#   capture     start-up: capture of the default sizes cold then warm, graph memory estimate vs
+#               actual, 256 requests served at gpu_memory_utilization 0.95
+#   replay      PIECEWISE replay variants (step graph vs the Python layer loop) in one process
+#   addresses   host cost of the debug address check
+#   profile     kernels and host functions of a FULL decode step (SmolLM2, Llama-3.2-1B; bs 1)
+#   pp          the pipeline-parallel tests (two GPUs)
+#   all         tests bench decode-hf attention throughput capture replay addresses
+# Raw output goes to DIR (--out, else $OUT, else bench-results/gpu-suite): suite.log holds every
+# step's output, DIR/<step>/ its JSON and plots. Printed last: each step's exit code and time, then
+# the decode figures of the run (and OLD_TREE's beside them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/gpu_suite}
-mkdir -p "$OUT"
-STAGE=${1:-all}
+OUT_DIR=${OUT:-bench-results/gpu-suite}
+STAGES=()
+while (($#)); do
+  case $1 in
+    --out) OUT_DIR=$2; shift 2 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    *) STAGES+=("$1"); shift ;;
+  esac
+done
+((${#STAGES[@]})) || STAGES=(tests bench)
+if [[ " ${STAGES[*]} " == *" all "* ]]; then
+  STAGES=(tests bench decode-hf attention throughput capture replay addresses)
+fi
+for stage in "${STAGES[@]}"; do
+  case $stage in
+    tests|bench|decode-hf|attention|throughput|capture|replay|addresses|profile|pp) ;;
+    *) echo "unknown stage '$stage' (see bash scripts/gpu_suite.sh --help)" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+
+# Without network access pydantic may be missing: install the wheels carried in .whl/ (git-ignored).
+SITE=""
 if ! python3 -c "import pydantic" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+    && SITE=/tmp/site
 fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export PYTHONPATH=$PWD${SITE:+:$SITE} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 unset TRITON_INTERPRET
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/suite.log"
-python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/suite.log"
+LOG=$OUT_DIR/suite.log
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$LOG"
+git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /' | tee -a "$LOG"
 
 SUMMARY=()
-step() {  # step NAME SECONDS CMD...: run with a time limit, append its log, remember how it went
+step() {  # step NAME SECONDS CMD...: run with a time limit, append its output to the log, remember how it went
   local name=$1 limit=$2; shift 2
   local start=$SECONDS
-  echo "===== $name: $*" >> "$OUT/suite.log"
-  timeout "$limit" "$@" > "$OUT/$name.tmp" 2>&1
+  echo "===== $name: $*" >> "$LOG"
+  timeout "$limit" "$@" > "$OUT_DIR/$name.tmp" 2>&1
   local rc=$?
-  cat "$OUT/$name.tmp" >> "$OUT/suite.log"
-  tail -n 30 "$OUT/$name.tmp"
-  rm -f "$OUT/$name.tmp"
-  SUMMARY+=("$(printf '| %-12s | rc=%-3s | %4ss |' "$name" "$rc" "$((SECONDS - start))")")
+  cat "$OUT_DIR/$name.tmp" >> "$LOG"
+  tail -n 30 "$OUT_DIR/$name.tmp"
+  rm -f "$OUT_DIR/$name.tmp"
+  SUMMARY+=("$(printf '| %-22s | %-4s | %5ss |' "$name" "$rc" "$((SECONDS - start))")")
 }
-decode_against_old_tree() {  # decode_against_old_tree ARGS...: bench_decode twice, each time also OLD_TREE's
-  for round in 1 2; do
-    step decode$round 90 python3 scripts/bench_decode.py "$@" --json "$OUT/decode$round.json"
-    if [[ -n ${OLD_TREE:-} ]]; then
-      step decode-old$round 90 env PYTHONPATH="$OLD_TREE:$PYTHONPATH" python3 "$OLD_TREE/scripts/bench_decode.py" \
-        "$@" --json "$OUT/decode_old$round.json"
-    fi
-  done
-}
-
-if [[ $STAGE == tests || $STAGE == all ]]; then
-  step cuda-tests 300 python3 -m pytest -q -p no:cacheprovider -m cuda -rA -s tests \
-    --deselect tests/test_pipeline.py
-  step triton-gpu 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
-fi
-if [[ $STAGE == bench || $STAGE == all ]]; then
-  step attention 90 python3 scripts/bench_attention.py --json "$OUT/attention.json"
-  step decode 330 python3 scripts/bench_decode.py --warmup 3 --steps 15 --hf-max-batch 32 --json "$OUT/decode.json" --plot "$OUT/decode.png"
-  step throughput 150 python3 scripts/bench_throughput.py --json "$OUT/throughput.json"
-  step addresses 30 python3 scripts/bench_addresses.py
-fi
-if [[ $STAGE == pp ]]; then
-  step pp-tests 240 python3 -m pytest -q -p no:cacheprovider -m cuda -rA tests/test_pipeline.py
-fi
-if [[ $STAGE == goals ]]; then  # session 5's s5final: tests and goal figures, one call (~5 min)
-  step cuda-tests 200 python3 -m pytest -q -p no:cacheprovider -m cuda -rA tests --deselect tests/test_pipeline.py
-  step decode 150 python3 scripts/bench_decode.py --modes FULL PIECEWISE --warmup 3 --steps 15 --hf-max-batch 32 \
-    --json "$OUT/decode.json" --plot "$OUT/decode.png"
-  step capture 120 python3 scripts/bench_capture.py --cold --modes FULL_AND_PIECEWISE FULL_AND_PIECEWISE PIECEWISE FULL \
-    --gpu-memory-utilization 0.95 --serve 256 --json "$OUT/capture.json"
-  step throughput 80 python3 scripts/bench_throughput.py --json "$OUT/throughput.json"
-fi
-if [[ $STAGE == compare ]]; then  # session 5's s5check without its tests: a change measured against its own absence
-  small=(--shapes smollm2-135m llama-3.2-1b --modes FULL --batch-sizes 1 32 --warmup 3 --steps 15 --no-hf --no-plot)
-  step decode-pdl0 90 env GRAPHRUNNER_PDL=0 python3 scripts/bench_decode.py "${small[@]}" --json "$OUT/decode_pdl0.json"
-  step decode 90 python3 scripts/bench_decode.py "${small[@]}" --json "$OUT/decode.json"
-  if [[ -n ${OLD_TREE:-} ]]; then
-    step decode-old 90 env PYTHONPATH="$OLD_TREE:$PYTHONPATH" python3 "$OLD_TREE/scripts/bench_decode.py" "${small[@]}" \
-      --json "$OUT/decode_old.json"
+BENCH=(python3 -m runner.cli bench)   # `graphrunner bench` of this tree
+old_decode() {  # old_decode OUTDIR ARGS...: OLD_TREE's decode benchmark (installed module, or its older script)
+  local out=$1; shift
+  mkdir -p "$out"
+  if [[ -f $OLD_TREE/runner/benchmarks/decode.py ]]; then
+    env -C "$OLD_TREE" PYTHONPATH="$OLD_TREE${SITE:+:$SITE}" python3 -m runner.cli bench decode "$@" --out "$out"
+  else
+    PYTHONPATH="$OLD_TREE${SITE:+:$SITE}" python3 "$OLD_TREE/scripts/bench_decode.py" "$@" --json "$out/decode.json"
   fi
-  step profile-full 60 python3 scripts/profile_step.py --mode FULL --batch-size 1 --host-profile
-  step profile-1b 60 python3 scripts/profile_step.py --shape llama-3.2-1b --mode FULL --batch-size 1
-fi
-if [[ $STAGE == s7 ]]; then  # session 7: every GPU test with the PIECEWISE step graph (~5 min)
-  step cuda-tests 330 python3 -m pytest -q -p no:cacheprovider -m cuda -rA -s tests --deselect tests/test_pipeline.py
-  step triton-gpu 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
-fi
-if [[ $STAGE == s7b ]]; then  # session 7: the replay variants in one process at bs 1 and 32; PIECEWISE vs FULL at
-  # bs 1-128 twice (with OLD_TREE's code when given); cold capture of the default sizes (the goal < 10 s), serving at 0.95
-  step break-replay 100 python3 scripts/bench_break_replay.py --blocks 4 --steps 40
-  step break-replay-bs32 100 python3 scripts/bench_break_replay.py --batch-size 32 --blocks 4 --steps 40
-  small=(--shapes smollm2-135m --modes FULL PIECEWISE --batch-sizes 1 8 32 128 --warmup 3 --steps 20 --no-hf --no-plot)
-  decode_against_old_tree "${small[@]}"
-  step capture 150 python3 scripts/bench_capture.py --cold --modes FULL_AND_PIECEWISE FULL_AND_PIECEWISE PIECEWISE \
-    --gpu-memory-utilization 0.95 --serve 256 --json "$OUT/capture.json"
-fi
+}
+export -f old_decode
+export OLD_TREE=${OLD_TREE:-} SITE
+
+for stage in "${STAGES[@]}"; do
+  case $stage in
+    tests)
+      step cuda-tests 330 python3 -m pytest -q -p no:cacheprovider -m cuda -rA tests --deselect tests/test_pipeline.py
+      step triton-gpu-kernels 240 python3 -m pytest -q -p no:cacheprovider -m "not cuda" tests/test_triton_kernels.py \
+        tests/test_fused_kernels.py tests/test_small_batch_kernels.py tests/test_greedy_argmax.py
+      ;;
+    bench)
+      small=(--shapes smollm2-135m llama-3.2-1b --modes FULL PIECEWISE --batch-sizes 1 32 --warmup 3 --steps 20
+             --no-hf --no-plot)
+      large=(--shapes llama-3-8b --modes FULL PIECEWISE --batch-sizes 1 --warmup 3 --steps 20 --no-hf --no-plot)
+      for round in 1 2; do
+        step decode-small-r$round 120 "${BENCH[@]}" decode "${small[@]}" --out "$OUT_DIR/decode-small-r$round"
+        step decode-8b-r$round 120 "${BENCH[@]}" decode "${large[@]}" --out "$OUT_DIR/decode-8b-r$round"
+        if [[ -n $OLD_TREE ]]; then
+          step old-decode-small-r$round 120 bash -c 'old_decode "$@"' _ "$OUT_DIR/old-decode-small-r$round" "${small[@]}"
+          step old-decode-8b-r$round 120 bash -c 'old_decode "$@"' _ "$OUT_DIR/old-decode-8b-r$round" "${large[@]}"
+        fi
+      done
+      ;;
+    decode-hf)
+      step decode-hf 330 "${BENCH[@]}" decode --modes FULL PIECEWISE --warmup 3 --steps 15 --hf-max-batch 32 \
+        --out "$OUT_DIR/decode-hf"
+      ;;
+    attention) step attention 90 "${BENCH[@]}" attention --out "$OUT_DIR/attention" ;;
+    throughput) step throughput 150 "${BENCH[@]}" throughput --out "$OUT_DIR/throughput" ;;
+    capture)
+      step capture 150 "${BENCH[@]}" capture --cold --modes FULL_AND_PIECEWISE FULL_AND_PIECEWISE PIECEWISE \
+        --gpu-memory-utilization 0.95 --serve 256 --out "$OUT_DIR/capture"
+      ;;
+    replay)
+      step replay-bs1 100 "${BENCH[@]}" break_replay --blocks 4 --steps 40 --out "$OUT_DIR/replay-bs1"
+      step replay-bs32 100 "${BENCH[@]}" break_replay --batch-size 32 --blocks 4 --steps 40 --out "$OUT_DIR/replay-bs32"
+      ;;
+    addresses) step addresses 30 "${BENCH[@]}" addresses --out "$OUT_DIR/addresses" ;;
+    profile)
+      step profile-smollm2 60 "${BENCH[@]}" profile_step --mode FULL --batch-size 1 --host-profile
+      step profile-llama-1b 60 "${BENCH[@]}" profile_step --shape llama-3.2-1b --mode FULL --batch-size 1
+      ;;
+    pp) step pp-tests 240 python3 -m pytest -q -p no:cacheprovider -m cuda -rA tests/test_pipeline.py ;;
+  esac
+done
+
 echo
-echo "| step         | result | time  |"
-echo "|--------------|--------|-------|"
+echo "| step                   | rc   | time   |"
+echo "|------------------------|------|--------|"
 printf '%s\n' "${SUMMARY[@]}"
+python3 - "$OUT_DIR" <<'EOF'
+"""The decode figures of this run: median ms/step over the rounds, and OLD_TREE's beside them."""
+import json, statistics, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+figures = {}   # (tree, shape, bs, mode) -> [ms per step of each round]
+paths = [p for pattern in ("decode-small-r*", "decode-8b-r*", "old-decode-*") for p in out.glob(pattern + "/decode.json")]
+for path in sorted(paths):
+    tree = "old" if path.parent.name.startswith("old-") else "this"
+    for row in json.loads(path.read_text())["rows"]:
+        figures.setdefault((tree, row["shape"], row["batch_size"], row["mode"]), []).append(row["ms_per_step"])
+keys = sorted({k[1:] for k in figures if k[0] == "this"})
+if keys:
+    print("\n| shape | bs | mode | ms/step (rounds) | OLD_TREE ms/step (rounds) | this / OLD_TREE |")
+    print("|---|---:|---|---|---|---:|")
+    for shape, bs, mode in keys:
+        mine, old = figures[("this", shape, bs, mode)], figures.get(("old", shape, bs, mode))
+        ratio = f"{statistics.median(mine) / statistics.median(old):.3f}" if old else "-"
+        fmt = lambda ms: " / ".join(f"{m:.3f}" for m in ms) if ms else "-"
+        print(f"| {shape} | {bs} | {mode} | {fmt(mine)} | {fmt(old)} | {ratio} |")
+EOF

@@ -9,7 +9,7 @@ import torch
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_suite.sh on the device machine)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (bash scripts/gpu_suite.sh tests runs these on one)")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)

@@ -266,7 +266,7 @@ def test_env_switch(monkeypatch, value, flag, expected):
 
 
 def test_realistic_structure_completes():
-    """The shape scripts/bench_addresses.py times; here only that it runs and finds all tensors."""
+    """The shape `graphrunner bench addresses` times; here only that it runs and finds all tensors."""
     args = tuple(t() for _ in range(5))
     kwargs = {f"k{i}": t() for i in range(5)}
     meta = Meta(t(), t(), per_layer={f"layers.{i}": (t(), t()) for i in range(30)})

@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 SCRIPT = r"""
 import json, sys
-sys.path.insert(0, {root!r}); sys.path.insert(0, {scripts!r})
+sys.path.insert(0, {root!r})
 from triton import knobs
-from model_shapes import write_config
+from runner.benchmarks.model_shapes import write_config
 from runner import LLM
 
 from triton.runtime._async_compile import AsyncCompileMode
@@ -56,7 +56,7 @@ print("COUNTS " + json.dumps({{"asked": asked, "queue_s": round(runner.precompil
 def test_start_up_compiles_every_kernel_ahead(tmp_path):
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))
     env.pop("GRAPHRUNNER_COMPILE_THREADS", None)
-    script = SCRIPT.format(root=str(ROOT), scripts=str(ROOT / "scripts"), tmp=str(tmp_path))
+    script = SCRIPT.format(root=str(ROOT), tmp=str(tmp_path))
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout.split("COUNTS ", 1)[1])

@@ -141,11 +141,8 @@ def test_kv_required_model_survives_warm_up(tiny, monkeypatch):
 def test_graph_memory_estimate_within_15_percent_at_default_sizes(tmp_path, mode):
     """Issue 4's goal on a real shape: SmolLM2-135M (dummy bf16 weights), the default 67 capture
     sizes; the reserve the KV budget subtracted vs the pool growth of the real capture."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    from model_shapes import write_config
     from runner import LLM
+    from runner.benchmarks.model_shapes import write_config
     llm = LLM(model=str(write_config("smollm2-135m", tmp_path)), load_format="dummy", dtype="bfloat16",
               cudagraph_mode=mode, gpu_memory_utilization=0.3, max_model_len=2048)
     runner = llm.engine.model_runner

@@ -285,14 +285,14 @@ def test_uniform_batch_ending_in_a_one_token_chunk(tiny_path):
     assert small == alone and all(len(t) == 4 for t in small)
 
 
-def test_bench_host_smoke(tmp_path, capsys):
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    import bench_host
-    out = tmp_path / "host.json"
-    result = bench_host.main(["--batch-sizes", "1", "3", "--steps", "3", "--warmup", "1", "--repeats", "2",
-                              "--tokenizer", "none", "--json", str(out)])
+def test_host_benchmark_smoke(tmp_path, capsys):
+    """`graphrunner bench host` end to end, tiny: rows per batch size, its JSON under --out."""
+    import json
+
+    from runner.benchmarks import host
+    result = host.run(["--batch-sizes", "1", "3", "--steps", "3", "--warmup", "1", "--repeats", "2",
+                       "--tokenizer", "none", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "host.json").read_text()) == result
     rows = result["rows"]
     assert [r["batch_size"] for r in rows] == [1, 3] and all(0 < r["host_ms"] < r["step_ms"] for r in rows)
     assert all(len(r["host_ms_repeats"]) == 2 for r in rows)

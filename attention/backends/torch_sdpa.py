@@ -13,8 +13,8 @@ attention per KV head instead of one per query head.
 On a CPU with the C kernels (models/cpu_kernels.py: AVX-512, a C compiler), a pure decode step skips
 all of this: each layer's KV write and attention are one C call that reads the paged cache through
 the block table (`cpu_kernels.decode_attention`, 16 positions at a time, requests in parallel on
-torch's OpenMP threads). Measured in a SmolLM2 bs32 decode step on a 2-core Xeon: 12.3 -> 7.0 ms of
-attention a step (the mask, the dense copy's upkeep and SDPA's padded read are gone).
+torch's OpenMP threads): the mask, the dense copy's upkeep and SDPA's padded read are gone (the
+engine-vs-HF figure this serves: `graphrunner bench cpu`, docs/PERFORMANCE.md).
 
 Otherwise (prefill and mixed steps, or no C kernels), keys and values are also kept in a dense
 per-layer copy ([request row, position], `_DenseKV`), so a step appends its new tokens there instead

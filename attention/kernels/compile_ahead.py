@@ -2,9 +2,10 @@
 
 Why: on a fresh machine (empty Triton cache) a kernel variant compiles the first time it is
 launched, and the launches come one after another: the capture phase's warm-up runs met about
-nine variants one at a time (PERFORMANCE.md §S5: capture 10.6 s cold, 3.2 s warm, H100). Most of
-a Triton compile (LLVM, ptxas) runs without the GIL, so threads compile variants in parallel
-(scripts/bench_compile_threads.py: 8 variants 4.5x faster on 8 threads, H200 host).
+nine variants one at a time, which made a cold capture several times a warm one. Most of a Triton
+compile (LLVM, ptxas) runs without the GIL, so threads compile variants in parallel
+(`graphrunner bench compile_threads`: 8 variants 5.05x faster on 8 threads on an H100's host; the
+capture figures are in docs/PERFORMANCE.md, `graphrunner bench capture --cold`).
 
 How: inside `compile_ahead(threads)` Triton compiles asynchronously on a thread pool (Triton's
 AsyncCompileMode): a launch of a kernel not yet compiled queues its compile and then waits for it
@@ -84,7 +85,7 @@ class _HeldPool(Executor):
     """A thread pool that holds what is submitted while `holding` and starts it all on `release`.
     Why: while launches are being queued (Python on the main thread, ~100 forwards) the compile
     threads' own Python work (Triton's code generation holds the GIL) would slow the forwards
-    ~3x (measured: 5.05 s instead of ~1.7 s on an H100 host); they start right after instead."""
+    about 3x (`graphrunner bench capture --cold`, H100); they start right after instead."""
 
     def __init__(self, threads: int) -> None:
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="triton-compile")

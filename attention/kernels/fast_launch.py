@@ -33,7 +33,7 @@ from attention.kernels import compile_ahead as _ahead
 from attention.kernels.specialisation import CONSTEXPR, I32_MAX, I32_MIN, SPECIALISED, param_kinds, specialisation
 
 ENABLED = os.environ.get("GRAPHRUNNER_FAST_LAUNCH", "1") != "0"
-"""Read once at import (reading the environment costs ~1.5 us, per launch that adds up); tests
+"""Read once at import (reading the environment on every launch adds host time to each); tests
 and benchmarks that switch it at run time set this attribute."""
 
 
@@ -180,8 +180,8 @@ class FastLaunch:
         """A callable `(*args)` that launches `kernel` on `grid` and `stream` straight through
         Triton's C launch function, or None where that is not known to be safe (then use
         `relaunch`). Why: Triton's Python launcher (`kernel.run`) builds two closures and asks
-        two allocators for scratch on every call before it reaches the C launch, ~2 us a launch;
-        a PIECEWISE step pays it once per layer. Safe because it is learned, not assumed: once per
+        two allocators for scratch on every call before it reaches the C launch (host time per
+        call: `graphrunner bench launch`); a PIECEWISE step pays it once per layer. Safe because it is learned, not assumed: once per
         kernel, `kernel.run` is called with marker values while its C launch is swapped for a
         recorder (nothing launches); the call must reach it as (grid, stream, <tail>, *args) with
         no scratch buffer in the tail (a kernel that needs per-launch scratch gets None). The

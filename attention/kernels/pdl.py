@@ -1,7 +1,8 @@
 """Programmatic dependent launch (PDL): let a decode kernel start while the one before it ends.
 
 Why: a small model's decode step replayed from a CUDA graph is a chain of ~100-170 short kernels
-(SmolLM2-135M: 3-6 us each), and each one pays a launch gap and then the DRAM latency of its
+(SmolLM2-135M on an H100: 3-6 us each, `graphrunner bench profile_step --mode FULL --batch-size 1`),
+and each one pays a launch gap and then the DRAM latency of its
 first weight loads before any math happens. With PDL (Hopper and newer) a kernel launched with
 the programmatic-stream-serialization attribute may be scheduled once every program of the kernel
 before it has signalled `gdc_launch_dependents` (or exited). It then issues the loads that do not

@@ -246,14 +246,14 @@ then shares one compiled kernel per (model shape, split or not), so capturing 67
 JIT-compile dozens of variants on a cold Triton cache."""
 EAGER_TILES_PER_SPLIT = 4
 """An eager call splits only contexts of at least this many KV tiles per split: below that the
-merge launch costs more host time (PIECEWISE: ~15 us) than the split saves on the GPU."""
+merge launch costs more host time (PIECEWISE runs it eagerly) than the split saves on the GPU."""
 MIN_SPLIT_TILES = int(os.environ.get("GRAPHRUNNER_MIN_SPLIT_TILES", "1"))
 """KV tiles a split takes at least, inside the kernel: a context shorter than num_splits times this
-keeps fewer active splits; the splits past them exit at once (no stores, no ticket). Measured
-(run O, H100, FULL bs1, in-kernel merge): 1 -> SmolLM2 0.647 / Llama-3.2-1B 1.219 / Llama-3-8B
-5.957 ms, 2 -> 0.682 / 1.238 / 6.040, 4 -> 1.233 / 6.014 for the Llamas (SmolLM2's 4-tile row was
-host-bound noise; run N: 0.787): with ~3-tile contexts, parallel one-tile splits plus a merge
-beat one program walking the context. Read at each call (the tests set it)."""
+keeps fewer active splits; the splits past them exit at once (no stores, no ticket). 1 is the
+fastest on an H100 (`GRAPHRUNNER_MIN_SPLIT_TILES=N graphrunner bench decode --modes FULL --batch-sizes 1
+--no-hf`, N = 1, 2, 4: FULL bs1 Llama-3.2-1B 1.219 / 1.238 / 1.233 ms, Llama-3-8B 5.957 / 6.040 / 6.014
+ms): with ~3-tile contexts, parallel one-tile splits plus a merge beat one program walking the
+context. Read at each call (the tests set it)."""
 FUSED_MERGE = os.environ.get("GRAPHRUNNER_FUSED_MERGE", "1") != "0"
 """Merge split-KV partials inside the attention kernel (the last active split merges); 0 = the
 separate merge kernel launch."""
@@ -283,8 +283,8 @@ the scratch (rows x splits x Hq x D floats, 8 MiB for Llama-3-8B heads) stays sm
 def default_num_splits(num_tokens: int, num_reqs: int, num_kv_heads: int, device: torch.device,
                        max_seq_len: int | None = None) -> int:
     """KV splits per q block: enough (request, kv head, split) programs to give every SM about
-    four. On an H100 (scripts/bench_attention.py, ctx 4096) this picks 16 / 8 / 2 splits for
-    bs 1 / 8 / 32. Inside a captured graph only padded shapes are known (the graph replays
+    four. On an H100 this picks 16 / 8 / 2 splits for bs 1 / 8 / 32 (ctx 4096), the fastest of
+    1-16 at each (`graphrunner bench attention`; docs/PERFORMANCE.md). Inside a captured graph only padded shapes are known (the graph replays
     whatever was chosen at capture); an eager call may pass the step's `max_seq_len`, and then
     gets a split only per EAGER_TILES_PER_SPLIT KV tiles, so a short context skips the split
     scratch and the merge launch (PIECEWISE runs attention eagerly, where each launch is host time)."""
@@ -305,8 +305,8 @@ def tile_sizes(num_q_heads: int, num_kv_heads: int) -> tuple[int, int]:
 
 @functools.cache
 def launch_config(device: torch.device) -> dict:
-    """KV tile length and the compiler's warps / pipelining depth (tuned on an H100, see
-    scripts/bench_attention.py); the interpreter gets short tiles (faster in numpy). Cached, as
+    """KV tile length and the compiler's warps / pipelining depth (tuned on an H100 with
+    `graphrunner bench attention`); the interpreter gets short tiles (faster in numpy). Cached, as
     every eager call reads it: do not mutate the result."""
     if device.type == "cpu":
         return dict(BLOCK_N=32, num_warps=4, num_stages=1)

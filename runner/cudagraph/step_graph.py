@@ -2,9 +2,11 @@
 re-parameterised for each step.
 
 Why: a PIECEWISE replay of a 30-layer model is, per layer, one graph-segment replay and one eager
-attention launch. From Python each pair costs ~10-15 µs of host time, and even from C a
-`cuGraphLaunch` plus a `cuLaunchKernelEx` per layer measured ~8 µs (H100 host, session 7): more than
-the GPU spends on a decode layer of a small model, so the GPU waits for the host. The attention of
+attention launch. From Python each pair costs ~15 µs of host time on an H100's host
+(`graphrunner bench break_replay`: its "fast" variant spends ~530 µs a SmolLM2 bs1 step inside the
+replay, 30 layers; the step graph ~130 µs), and even a C loop of `cuGraphLaunch` plus
+`cuLaunchKernelEx` per layer costs several µs a layer: more than the GPU spends on a decode layer
+of a small model, so the GPU waits for the host. The attention of
 a step differs between layers only in three pointers (q, its KV cache, out), and between steps only
 in the grid and a few scalars (token and request counts, the split count), which a decode step at a
 steady batch keeps. So the segments (captured as before, kept as graphs) and one kernel node per

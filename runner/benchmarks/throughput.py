@@ -1,0 +1,152 @@
+"""Offline throughput, nano-vllm's recipe: 256 random requests through `LLM.generate`, end to end.
+
+    graphrunner bench throughput [--shape qwen3-0.6b] [--mode FULL_AND_PIECEWISE]
+        [--num-seqs 256] [--min-len 100] [--max-input-len 1024] [--max-output-len 1024] [--out DIR]
+    graphrunner bench throughput --cpu-small     # CPU smoke: 4-layer SmolLM2 shape, 16 short requests
+
+As nano-vllm's bench.py: `random.seed(0)`; per request a prompt of `randint(100, max_input_len)`
+token ids drawn with `randint(0, 10000)`, then per request `SamplingParams(temperature=0.6,
+ignore_eos=True, max_tokens=randint(100, max_output_len))`; max_model_len 4096; dummy weights in
+bf16 (the Qwen3-0.6B shape of runner/benchmarks/model_shapes.py). One short warm-up generate, then the timed
+`llm.generate(prompts, params)`. Output tok/s = generated tokens / seconds (nano-vllm's
+"Throughput"); total tok/s counts the prompt tokens too. Engine start-up is not timed.
+
+`--cpu-small`: the SmolLM2-135M shape cut to 4 layers, 16 requests of 16-64 prompt and output
+tokens, fp32 on the CPU (well under 2 minutes on 2 cores); for CI, not a benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from runner.benchmarks.model_shapes import SHAPES, write_config
+from runner.benchmarks.results import add_out_argument, write_json
+
+CPU_SMALL = dict(shape="smollm2-135m", num_layers=4, num_seqs=16, min_len=16, max_input_len=64, max_output_len=64,
+                 dtype="float32", device="cpu", max_model_len=256)
+
+
+def make_workload(num_seqs: int, min_len: int, max_input_len: int, max_output_len: int, seed: int = 0):
+    """nano-vllm's draw order: every prompt first, then every max_tokens. A `random.Random(seed)`
+    draws exactly what `random.seed(seed)` then `random.randint` does, without touching global state."""
+    from configs import SamplingParams
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(min_len, max_input_len))] for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(min_len, max_output_len))
+              for _ in range(num_seqs)]
+    return prompts, params
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="graphrunner bench throughput", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default qwen3-0.6b")
+    parser.add_argument("--mode", default="FULL_AND_PIECEWISE", type=str.upper,
+                        choices=["NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"],
+                        help="cudagraph_mode (resolves to NONE on a CPU)")
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default=None, help="default auto")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None, help="default bfloat16")
+    parser.add_argument("--num-seqs", type=int, default=None, help="default 256")
+    parser.add_argument("--min-len", type=int, default=None, help="lower bound of both lengths (default 100)")
+    parser.add_argument("--max-input-len", type=int, default=None, help="default 1024")
+    parser.add_argument("--max-output-len", type=int, default=None, help="default 1024")
+    parser.add_argument("--max-model-len", type=int, default=None, help="default 4096")
+    parser.add_argument("--num-layers", type=int, default=None, help="override the shape's layer count")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="engine default unless given")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine default unless given")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="engine default unless given")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpu-small", action="store_true",
+                        help="CPU smoke run: " + ", ".join(f"{k}={v}" for k, v in CPU_SMALL.items()))
+    add_out_argument(parser)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    defaults = dict(shape="qwen3-0.6b", device="auto", dtype="bfloat16", num_seqs=256, min_len=100,
+                    max_input_len=1024, max_output_len=1024, max_model_len=4096)
+    if args.cpu_small:
+        defaults.update(CPU_SMALL)
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if not 1 <= args.min_len <= min(args.max_input_len, args.max_output_len):
+        parser.error("need 1 <= --min-len <= --max-input-len and --max-output-len")
+    if args.max_input_len + args.max_output_len > args.max_model_len:
+        parser.error(f"--max-input-len + --max-output-len must fit in --max-model-len ({args.max_model_len})")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(argv)
+    return 0
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Run the benchmark; print and return the figures (also written to DIR/throughput.json with --out)."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    import torch
+    from configs import SamplingParams
+    from runner import LLM
+
+    prompts, params = make_workload(args.num_seqs, args.min_len, args.max_input_len, args.max_output_len, args.seed)
+    options = dict(load_format="dummy", dtype=args.dtype, device=args.device, cudagraph_mode=args.mode,
+                   max_model_len=args.max_model_len, seed=args.seed)
+    for key in ("max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization"):
+        if getattr(args, key) is not None:
+            options[key] = getattr(args, key)
+    overrides = {} if args.num_layers is None else {"num_hidden_layers": args.num_layers}
+    with tempfile.TemporaryDirectory(prefix="bench_throughput_") as tmp:
+        folder = write_config(args.shape, Path(tmp) / args.shape, dtype=args.dtype, **overrides)
+        if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
+            # Enough KV blocks for every request at once, not a quarter of the machine's memory.
+            block = 16
+            options["num_kv_blocks"] = sum(-(-(len(p) + sp.max_tokens) // block) for p, sp in zip(prompts, params)) \
+                + -(-args.max_model_len // block)
+        started = time.perf_counter()
+        llm = LLM(model=str(folder), **options)
+        startup = time.perf_counter() - started
+        try:
+            warm = [[random.Random(i).randint(0, 10000) for _ in range(16)] for i in range(4)]
+            llm.generate(warm, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=8), use_tqdm=False)
+            if torch.cuda.is_available() and llm.engine.device.type == "cuda":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - started
+            runner = llm.engine.model_runner
+            device, resolved = str(runner.device), runner.cudagraph_mode.name
+            device_name = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else "cpu"
+        finally:
+            llm.shutdown()
+
+    short = [(i, len(o.outputs[0].token_ids), p.max_tokens) for i, (o, p) in enumerate(zip(outputs, params))
+             if len(o.outputs[0].token_ids) != p.max_tokens]
+    if short:
+        raise RuntimeError(f"requests stopped short of max_tokens (index, got, wanted): {short[:5]}")
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    input_tokens = sum(len(p) for p in prompts)
+    result = {
+        "shape": args.shape, "num_layers": args.num_layers or SHAPES[args.shape]["num_hidden_layers"],
+        "mode": args.mode, "resolved_mode": resolved, "device": device, "device_name": device_name,
+        "dtype": args.dtype, "num_seqs": args.num_seqs, "min_len": args.min_len,
+        "max_input_len": args.max_input_len, "max_output_len": args.max_output_len,
+        "input_tokens": input_tokens, "output_tokens": output_tokens, "seconds": seconds,
+        "output_tok_s": output_tokens / seconds, "total_tok_s": (input_tokens + output_tokens) / seconds,
+        "startup_s": startup, "torch": torch.__version__,
+    }
+    print(f"{args.shape} ({result['num_layers']} layers, {args.dtype}, {device_name}, {resolved}): "
+          f"{args.num_seqs} seqs, {input_tokens} in + {output_tokens} out tokens in {seconds:.2f} s; "
+          f"output {result['output_tok_s']:.1f} tok/s, total {result['total_tok_s']:.1f} tok/s "
+          f"(start-up {startup:.1f} s)")
+    write_json(args.out, "throughput.json", result)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
