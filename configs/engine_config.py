@@ -23,6 +23,9 @@ class ModelConfig(_Config):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int | None = Field(None, ge=1)
     load_format: Literal["auto", "dummy"] = "auto"
+    check_finite_weights: bool = True
+    """Fail at load when a checkpoint tensor holds NaN or Inf, naming it (a damaged file would
+    otherwise produce garbage text). Costs one sum per tensor; False skips it."""
     tokenizer: str | None = None
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     """auto: triton on CUDA, torch on a CPU."""

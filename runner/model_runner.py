@@ -111,7 +111,8 @@ class ModelRunner:
         started = time.perf_counter()
         self.model = build_model(self.spec, self.model_path, device=self.device, dtype=self.dtype,
                                  load_format=self.config.model.load_format, layer_range=self.layer_range,
-                                 max_positions=self.max_model_len, seed=self.config.seed)
+                                 max_positions=self.max_model_len, seed=self.config.seed,
+                                 check_finite=self.config.model.check_finite_weights)
         if not self.model.model.is_first:
             # Pipeline stages after the first receive into these, so their graphs see fixed addresses.
             shape = (self.max_num_tokens, self.spec.hidden_size)
