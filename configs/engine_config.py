@@ -7,6 +7,7 @@ option fails loudly with the list of known ones.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -29,6 +30,12 @@ class ModelConfig(_Config):
     tokenizer: str | None = None
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     """auto: triton on CUDA, torch on a CPU."""
+
+    @field_validator("model", "tokenizer", mode="before")
+    @classmethod
+    def _path_to_str(cls, value: Any) -> Any:
+        """A pathlib.Path (any os.PathLike) names a folder as well as a string does."""
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
 
 
 class CacheConfig(_Config):
