@@ -70,7 +70,12 @@ class CompilationConfig(_Config):
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.FULL_AND_PIECEWISE
     cudagraph_capture_sizes: list[int] | None = None
     max_cudagraph_capture_size: int = Field(512, ge=1)
+    check_cudagraph_addresses: bool = True
+    """Compare each captured graph's input addresses with its capture's on its FIRST replay
+    (once per graph: serving pays nothing afterwards) and raise AddressMismatchError, naming
+    the tensors that moved, instead of letting the graph read stale memory."""
     debug_cudagraph_addresses: bool = False
+    """Check on EVERY replay (also GRAPHRUNNER_DEBUG_CUDAGRAPH=1)."""
 
     @field_validator("cudagraph_mode", mode="before")
     @classmethod
