@@ -11,8 +11,9 @@ found shapes, and (unless `check_finite=False`) every loaded tensor is checked f
 That check sums each tensor where it was copied to (NaN and Inf survive a sum; a sum is
 several times cheaper than `isfinite(t).all()`, which writes a bool per element) and reads
 all the sums back at once; only a tensor whose sum is not finite is examined element-wise,
-so a sum that merely overflowed is not an error. Its cost:
-`python -m runner.benchmarks.load_check --out /tmp/load_check`.
+so a sum that merely overflowed is not an error. Its cost, Llama-3.2-1B shape in bfloat16 on
+a 2-core CPU: 49 ms for the whole model, against 2.4 s for `isfinite(t).all()` per tensor and
+0.75-2.5 s for the load itself (`python -m runner.benchmarks.load_check --out /tmp/load_check`).
 """
 
 from __future__ import annotations
