@@ -3,10 +3,10 @@
 A block runs in a fresh namespace, in process, on the embedded model on a CPU. An HTML comment
 on the line before a block says what else it needs:
 
-- `<!-- requires: cuda -->`: a GPU; skipped without one.
-- `<!-- requires: multiprocess -->`: spawns processes (pipeline parallel), so it must be a real
-  script: it runs as one in a subprocess, on a GPU machine only (on a CPU every rank would
-  size its own KV cache from free memory: minutes, not seconds).
+- `<!-- requires: cuda -->`: a GPU; a `cuda` test (skipped without one).
+- `<!-- requires: multiprocess -->`: spawns processes (pipeline parallel: one GPU per rank), so
+  it must be a real script: it runs as one in a subprocess, as a `cuda` test on a machine with
+  two GPUs (on a CPU every rank would size its own KV cache from free memory: minutes).
 - `<!-- requires: torchrun -->`: run by an external launcher; skipped (the pipeline tests
   cover that path).
 - `<!-- excerpt: module.name -->`: not an example but a copy of dataclasses in `module.name`;
@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib
+import os
 import re
 import subprocess
 import sys
@@ -90,7 +91,13 @@ def _check_excerpt(example: Example) -> None:
         assert documented == actual, f"{node.name}: the docs list {documented}, the code has {actual}"
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=[f"{e.file.name}:{e.line}" for e in EXAMPLES])
+def _param(example: Example):
+    needs_gpu = example.marker in (("requires", "cuda"), ("requires", "multiprocess"))
+    return pytest.param(example, id=f"{example.file.name}:{example.line}",
+                        marks=[pytest.mark.cuda] if needs_gpu else [])
+
+
+@pytest.mark.parametrize("example", [_param(e) for e in EXAMPLES])
 def test_example_runs_as_written(example, small_kv_cache, tmp_path, capsys):
     kind, value = example.marker or (None, None)
     if kind == "excerpt":
@@ -98,14 +105,14 @@ def test_example_runs_as_written(example, small_kv_cache, tmp_path, capsys):
         return
     if value == "torchrun":
         pytest.skip("runs under torchrun (tests/test_pipeline.py covers the launcher path)")
-    if value in ("cuda", "multiprocess") and not torch.cuda.is_available():
-        pytest.skip(f"requires {value}: run on a GPU machine")
+    if value == "multiprocess" and torch.cuda.device_count() < 2:
+        pytest.skip("requires two GPUs (one per pipeline rank)")
     assert kind is None or value in ("cuda", "multiprocess"), f"unknown marker {example.marker}"
     if value == "multiprocess":
         script = tmp_path / "example.py"
         script.write_text(example.code)
         result = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True,
-                                timeout=600, env={"PYTHONPATH": str(REPO), **__import__("os").environ})
+                                timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
         assert result.returncode == 0, result.stderr[-4000:]
         return
     namespace = {"__name__": "__main__"}
