@@ -280,6 +280,16 @@ def ensure_smollm2(force: bool = False) -> Path:
     return target
 
 
+def rebuild_hint_for(folder: Path) -> str | None:
+    """For an error about `folder`: how to rebuild it, if it is the embedded model's folder."""
+    target = graphrunner_home() / SMOLLM2_DIRNAME
+    try:
+        same = Path(folder).resolve() == target.resolve()
+    except OSError:
+        same = False
+    return f"{folder} is the embedded model's folder: rebuild it with: {REBUILD_HINT}" if same else None
+
+
 def verify_smollm2() -> str | None:
     """Hash every file of the built folder against its manifest; None if it matches, else why not."""
     target = graphrunner_home() / SMOLLM2_DIRNAME

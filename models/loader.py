@@ -237,5 +237,12 @@ def build_model(spec: ModelSpec, folder: str | Path, *, device: torch.device, dt
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
-        load_safetensors(model, Path(folder), check_finite)
+        try:
+            load_safetensors(model, Path(folder), check_finite)
+        except (WeightLoadError, DamagedCheckpointError) as error:
+            from models.embedded import rebuild_hint_for
+            hint = rebuild_hint_for(Path(folder))
+            if hint is None:
+                raise
+            raise type(error)(f"{error}; {hint}") from error
     return model.eval()

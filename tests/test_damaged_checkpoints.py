@@ -146,3 +146,16 @@ def test_wrong_shape_names_expected_and_found(checkpoint):
     with pytest.raises(WeightLoadError, match=r"shape mismatch for 'model\.layers\.1\.self_attn\.o_proj\.weight'.*"
                                               r"expected \(64, 64\), found \(64, 32\)"):
         load_ours(checkpoint)
+
+
+def test_damage_in_the_embedded_models_folder_says_how_to_rebuild_it(pristine, tmp_path, monkeypatch):
+    """The start-up check hashes only the embedded model's small files; damage inside its weights
+    is found by the loader, whose error then gives the rebuild command."""
+    import shutil
+    monkeypatch.setenv("GRAPHRUNNER_HOME", str(tmp_path))
+    folder = shutil.copytree(pristine, tmp_path / "SmolLM2-135M-Instruct")
+    file = folder / "model.safetensors"
+    _overwrite(file, _data_offset(file, TENSOR), b"\xff" * 4)
+    with pytest.raises(NonFiniteWeightError, match=rf"'{re.escape(TENSOR)}'.*embedded model's folder: rebuild it with: "
+                                                   r"python -m models\.embedded --force"):
+        load_ours(folder)
