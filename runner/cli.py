@@ -1,4 +1,9 @@
-"""`graphrunner generate ...` and `graphrunner bench ...`."""
+"""graphrunner: generate text with an LLM from the command line, or run a benchmark.
+
+Errors print as one line (`graphrunner: error: ...`; `--verbose` adds the traceback). Exit
+status: 0 when every prompt completed, 1 when any prompt failed or the engine could not start,
+2 for bad usage (an unknown option or an invalid value).
+"""
 
 from __future__ import annotations
 
@@ -7,29 +12,60 @@ import json
 import logging
 import sys
 import time
+import traceback
+
+from configs.graph_mode import CUDAGraphMode
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from configs import SamplingParams
+def _one_line(error: BaseException) -> str:
+    """`Type: message` on one line (multi-line messages, e.g. pydantic's, joined with '; ')."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {'; '.join(lines)}" if lines else type(error).__name__
+
+
+def _read_prompts(parser: argparse.ArgumentParser, path: str) -> list[str]:
+    """The `prompt` fields of a JSONL file; a missing file or a bad line is a usage error."""
+    prompts = []
+    try:
+        with open(path) as handle:
+            lines = list(handle)
+    except OSError as error:
+        parser.error(f"--prompts-file: cannot read {path!r}: {error.strerror}")
+    for line_no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as error:
+            parser.error(f"--prompts-file {path}:{line_no}: not JSON ({error})")
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            parser.error(f"--prompts-file {path}:{line_no}: expected an object with a string 'prompt' field")
+        prompts.append(record["prompt"])
+    return prompts
+
+
+def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from pydantic import ValidationError
+
+    from configs import EngineConfig, SamplingParams
     from runner.llm import LLM
 
     prompts = list(args.prompt or [])
     if args.prompts_file:
-        with open(args.prompts_file) as handle:
-            for line_no, line in enumerate(handle, 1):
-                if line.strip():
-                    record = json.loads(line)
-                    if not isinstance(record, dict) or "prompt" not in record:
-                        raise SystemExit(f"{args.prompts_file}:{line_no}: expected an object with a 'prompt' field")
-                    prompts.append(record["prompt"])
+        prompts += _read_prompts(parser, args.prompts_file)
     if not prompts:
         prompts = ["What is the capital of France?"]
-    options = {"device": args.device, "dtype": args.dtype, "seed": args.seed, "cudagraph_mode": args.cudagraph_mode}
-    if args.max_model_len:
+    options = {"device": args.device, "dtype": args.dtype, "seed": args.seed, "cudagraph_mode": args.cudagraph_mode,
+               "check_finite_weights": args.check_finite_weights}
+    if args.max_model_len is not None:
         options["max_model_len"] = args.max_model_len
     if args.pipeline_parallel_size > 1:
         options["pipeline_parallel_size"] = args.pipeline_parallel_size
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    try:  # invalid option values are usage errors (exit 2), named by their field
+        EngineConfig.from_kwargs(model=args.model, **options)
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    except (ValidationError, ValueError, TypeError) as error:
+        parser.error(_one_line(error))
     with LLM(model=args.model, **options) as llm:
         started = time.perf_counter()
         if args.chat:
@@ -48,17 +84,21 @@ def _generate(args: argparse.Namespace) -> int:
     tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     print(f"{len(outputs)} requests, {tokens} tokens in {seconds:.2f} s ({tokens / seconds:.1f} tok/s)",
           file=sys.stderr)
+    failed = [o for o in outputs if o.error is not None or any(c.finish_reason == "abort" for c in o.outputs)]
+    if failed:
+        print(f"graphrunner: error: {len(failed)} of {len(outputs)} prompts failed", file=sys.stderr)
+        return 1
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
+def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Import runner.benchmarks.<which> from the installed package and call its main(rest)."""
     import importlib
 
     from runner.benchmarks import available
     names = available()
     if args.which not in names:
-        raise SystemExit(f"no benchmark {args.which!r}; available: {', '.join(names)}")
+        parser.error(f"no benchmark {args.which!r}; available: {', '.join(names)}")
     module = importlib.import_module(f"runner.benchmarks.{args.which}")
     return module.main(list(args.rest)) or 0
 
@@ -70,23 +110,31 @@ def _bench_list() -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="graphrunner", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text for prompts")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="graphrunner", description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    verbose_help = "log progress, and print the traceback of an error"
+    parser.add_argument("-v", "--verbose", action="store_true", help=verbose_help)
+    sub = parser.add_subparsers(dest="command", required=True, help="what to run")
+    gen = sub.add_parser("generate", help="generate text for prompts",
+                         description="Generate text for each prompt and print it with its finish reason.")
+    gen.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose_help)
     gen.add_argument("--model", default="default", help="HF checkpoint folder, or 'default' (embedded SmolLM2)")
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--prompts-file", help="JSONL file of {\"prompt\": ...} objects")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    gen.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE")
-    gen.add_argument("--max-model-len", type=int)
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--seed", type=int, default=0, help="random seed of the engine and of sampling")
+    gen.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                     help="weights and activations; auto: the checkpoint's")
+    gen.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE", type=str.upper,
+                     choices=[m.name for m in CUDAGraphMode], help="CUDA graph mode (NONE on a CPU)")
+    gen.add_argument("--max-model-len", type=int, help="longest prompt plus output; default: the model's")
     gen.add_argument("--pipeline-parallel-size", type=int, default=1, help="processes, each with a slice of layers")
+    gen.add_argument("--check-finite-weights", action=argparse.BooleanOptionalAction, default=True,
+                     help="fail at load when a weight is NaN or Inf")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.set_defaults(func=_generate)
     bench = sub.add_parser("bench", help="run a benchmark of runner/benchmarks/ (raw results go to --out DIR)",
@@ -96,10 +144,24 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("which", metavar="NAME", help="a benchmark listed below")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    try:
+        return args.func(args, parser)
+    except KeyboardInterrupt:
+        print("graphrunner: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # one line for users; the traceback with --verbose
+        if args.verbose:
+            traceback.print_exc()
+        print(f"graphrunner: error: {_one_line(error)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Sequence
 
 from tqdm.auto import tqdm
@@ -42,13 +43,13 @@ def _engine_prompt(prompt: PromptType) -> str | list[int]:
 
 
 class LLM:
-    """`LLM(model="path" | "default", **engine_options).generate(prompts, sampling_params)`, as in vLLM.
+    """`LLM(model="path" | pathlib.Path(...) | "default", **engine_options).generate(prompts, sampling_params)`, as in vLLM.
 
     Options are EngineConfig's fields by name (dtype, device, cudagraph_mode, max_model_len,
     block_size, max_num_seqs, async_scheduling, ...). Use as a context manager, or call shutdown(),
     to release pipeline workers."""
 
-    def __init__(self, model: str = "default", **kwargs) -> None:
+    def __init__(self, model: str | os.PathLike = "default", **kwargs) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
 
     @property

@@ -24,8 +24,8 @@ from models.hf_config import ModelSpec
 from models.layers import screened_argmax
 from models.llama import IntermediateTensors
 from models.loader import build_model
-from runner.cudagraph import (CUDA_GRAPHS, BatchDescriptor, CapturePhase, CUDAGraphWrapper, CudagraphDispatcher,
-                              capture_all, default_capture_sizes, graph_pool,
+from runner.cudagraph import (CUDA_GRAPHS, AddressCheck, BatchDescriptor, CapturePhase, CUDAGraphWrapper,
+                              CudagraphDispatcher, capture_all, default_capture_sizes, graph_pool,
                               measure_graph_memory, prime_capture_stream, resolve_cudagraph_mode)
 from runner.input_batch import InputBatch
 from runner.outputs import Logprob, ModelRunnerOutput, PendingOutput
@@ -112,7 +112,8 @@ class ModelRunner:
         started = time.perf_counter()
         self.model = build_model(self.spec, self.model_path, device=self.device, dtype=self.dtype,
                                  load_format=self.config.model.load_format, layer_range=self.layer_range,
-                                 max_positions=self.max_model_len, seed=self.config.seed)
+                                 max_positions=self.max_model_len, seed=self.config.seed,
+                                 check_finite=self.config.model.check_finite_weights)
         if not self.model.model.is_first:
             # Pipeline stages after the first receive into these, so their graphs see fixed addresses.
             shape = (self.max_num_tokens, self.spec.hidden_size)
@@ -127,13 +128,14 @@ class ModelRunner:
         """FULL wraps PIECEWISE wraps the model: each acts only when the forward context's runtime
         mode is its own, so one callable serves every mode the dispatcher picks."""
         forward = self.model_forward = functools.partial(forward_with_decode_head, self.model)
-        debug = self.config.compilation.debug_cudagraph_addresses
+        compilation = self.config.compilation
+        check = AddressCheck.from_config(compilation.check_cudagraph_addresses, compilation.debug_cudagraph_addresses)
         self.piecewise = self.full = None
         if self.cudagraph_mode.has_piecewise():
             forward = self.piecewise = CUDAGraphWrapper(forward, CUDAGraphMode.PIECEWISE, pool,
-                                                        self.capture_phase, debug, self.graph_factory)
+                                                        self.capture_phase, check, self.graph_factory)
         if self.cudagraph_mode.has_full():
-            forward = self.full = CUDAGraphWrapper(forward, CUDAGraphMode.FULL, pool, self.capture_phase, debug,
+            forward = self.full = CUDAGraphWrapper(forward, CUDAGraphMode.FULL, pool, self.capture_phase, check,
                                                    self.graph_factory)
         self.forward = forward
 
@@ -258,6 +260,13 @@ class ModelRunner:
             self.capture_summary = capture_all(keys, lambda key: self._capture_one(*key),
                                                desc=f"capturing {self.cudagraph_mode.name} graphs",
                                                estimate_bytes=getattr(self, "graph_reserve_bytes", None))
+        wrappers = [w for w in (self.full, self.piecewise) if w is not None]
+        if wrappers and wrappers[0].address_check is not AddressCheck.OFF:
+            recorded = sum(w.address_record_seconds for w in wrappers)
+            self.capture_summary = dataclasses.replace(self.capture_summary, address_record_seconds=recorded)
+            logger.info("cudagraph address check (%s): recorded the addresses of %d graphs in %.4f s; each graph's "
+                        "first replay compares them", wrappers[0].address_check.value,
+                        self.capture_summary.num_graphs, recorded)
         self.dispatcher.mark_ready()
         self.cuda_graph_ready = True
 

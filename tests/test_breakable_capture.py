@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -18,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 from attention.forward_context import ForwardContext, get_forward_context, set_forward_context
 from configs.graph_mode import CUDAGraphMode as M
-from runner.cudagraph import (AddressMismatchError, BatchDescriptor as BD, BreakableCapture, CapturePhase,
+from runner.cudagraph import (AddressCheck, AddressMismatchError, BatchDescriptor as BD, BreakableCapture, CapturePhase,
                               CUDAGraphWrapper, active_capture, break_point, capture_all, measure_graph_memory)
 
 EVENTS: list[tuple] = []
@@ -309,6 +310,92 @@ def test_address_check_catches_moved_kwarg_and_metadata():
     with set_forward_context(_context(M.FULL, BD(2, 2, True))):  # a new scale tensor: moved
         with pytest.raises(AddressMismatchError, match=r"attn_metadata\.scale"):
             full(x)
+
+
+def _captured_full(address_check, sizes=(2, 1)):
+    """A FULL wrapper with one captured graph per size; returns it and each size's inputs."""
+    phase = CapturePhase()
+    kwargs = {} if address_check is None else {"address_check": address_check}
+    wrapper = CUDAGraphWrapper(counted_forward, M.FULL, None, phase, graph_factory=FakeGraphForTests, **kwargs)
+    inputs = {}
+    with phase.capturing():
+        for n in sizes:
+            x, metadata = torch.ones(n, 3), ToyMetadata(torch.tensor(2.0))
+            with set_forward_context(_context(M.FULL, BD(n, n, True), metadata=metadata)):
+                wrapper(x)
+            inputs[n] = x, metadata
+    return wrapper, inputs
+
+
+def _replay(wrapper, n, x, metadata):
+    with set_forward_context(_context(M.FULL, BD(n, n, True), metadata=metadata)):
+        return wrapper(x)
+
+
+def test_address_check_runs_by_default_on_each_graphs_first_replay_only():
+    wrapper, inputs = _captured_full(None)
+    assert wrapper.address_check is AddressCheck.FIRST_REPLAY and wrapper.address_record_seconds > 0
+    x2, metadata2 = inputs[2]
+    moved = ToyMetadata(torch.tensor(2.0))
+    with pytest.raises(AddressMismatchError, match=r"FULL graph replay of .*num_tokens=2.*\n.*changed:\n"
+                                                   r"  attn_metadata\.scale: 0x[0-9a-f]+ -> 0x[0-9a-f]+"):
+        _replay(wrapper, 2, x2, moved)
+    assert wrapper.num_replays == 0  # the moved input was refused, not replayed
+    _replay(wrapper, 2, x2, metadata2)  # the first replay at the captured addresses: checked, passes
+    assert (wrapper.first_replay_checks, wrapper.num_replays) == (1, 1)
+    checked = wrapper.first_replay_check_seconds
+    _replay(wrapper, 2, x2, moved)  # later replays of that graph are not checked: serving pays nothing
+    assert wrapper.first_replay_check_seconds == checked and wrapper.num_replays == 2
+    x1, _ = inputs[1]
+    with pytest.raises(AddressMismatchError, match=r"num_tokens=1.*\n.*changed:\n  args\[0\]"):
+        _replay(wrapper, 1, x1.clone(), inputs[1][1])  # the other graph's first replay is still checked
+
+
+def test_debug_address_check_checks_every_replay():
+    wrapper, inputs = _captured_full(True, sizes=(2,))
+    assert wrapper.address_check is AddressCheck.EVERY_REPLAY
+    for _ in range(3):
+        _replay(wrapper, 2, *inputs[2])
+    with pytest.raises(AddressMismatchError, match=r"attn_metadata\.scale"):
+        _replay(wrapper, 2, inputs[2][0], ToyMetadata(torch.tensor(2.0)))
+    assert wrapper.first_replay_checks == 0  # "first replay" bookkeeping is for FIRST_REPLAY only
+
+
+def test_address_check_off_never_checks():
+    wrapper, inputs = _captured_full(AddressCheck.OFF, sizes=(2,))
+    _replay(wrapper, 2, inputs[2][0].clone(), ToyMetadata(torch.tensor(2.0)))
+    assert wrapper.address_check_seconds == 0 and wrapper.num_replays == 1
+
+
+def test_first_replay_checks_report_their_cost_once_all_graphs_passed(caplog):
+    wrapper, inputs = _captured_full(None)
+    with caplog.at_level(logging.INFO, logger="runner.cudagraph.wrapper"):
+        _replay(wrapper, 2, *inputs[2])
+        assert "cudagraph address check" not in caplog.text  # one graph still unchecked
+        _replay(wrapper, 1, *inputs[1])
+        _replay(wrapper, 1, *inputs[1])
+    lines = [r.getMessage() for r in caplog.records if "cudagraph address check" in r.getMessage()]
+    assert len(lines) == 1
+    assert re.search(r"all 2 FULL graphs replayed at their captured addresses; recording them at capture took "
+                     r"\d+\.\d+ s, their first-replay checks \d+\.\d+ s", lines[0])
+    assert wrapper.address_check_seconds == wrapper.address_record_seconds + wrapper.first_replay_check_seconds > 0
+
+
+@pytest.mark.parametrize("check, debug, env, expected", [
+    (True, False, "", AddressCheck.FIRST_REPLAY),
+    (True, True, "", AddressCheck.EVERY_REPLAY),
+    (False, True, "", AddressCheck.EVERY_REPLAY),
+    (False, False, "", AddressCheck.OFF),
+    (True, False, "1", AddressCheck.EVERY_REPLAY),
+])
+def test_address_check_mode_from_the_config(check, debug, env, expected, monkeypatch):
+    from configs import EngineConfig
+    monkeypatch.setenv("GRAPHRUNNER_DEBUG_CUDAGRAPH", env)
+    config = EngineConfig.from_kwargs(model="x", check_cudagraph_addresses=check, debug_cudagraph_addresses=debug)
+    compilation = config.compilation
+    assert AddressCheck.from_config(compilation.check_cudagraph_addresses,
+                                    compilation.debug_cudagraph_addresses) is expected
+    assert EngineConfig.from_kwargs(model="x").compilation.check_cudagraph_addresses is True
 
 
 def test_full_output_is_persistent_for_dataclass_outputs():

@@ -117,6 +117,38 @@ def test_debug_address_check_names_moved_metadata_tensor(tiny):
     _release(llm)
 
 
+@pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE"])
+def test_first_replay_address_check_is_on_by_default(tiny, mode):
+    """Without the debug flag, each graph's first replay is checked: a metadata tensor rebound
+    instead of copied is named; an engine that copies passes, each replayed graph checked once.
+    Prints what the check cost (recording at capture + first replays)."""
+    from runner.cudagraph import AddressCheck, AddressMismatchError
+    path, prompts, mixed, expected, expected_mixed = tiny
+    llm = _llm(path, mode)
+    runner = llm.engine.model_runner
+    wrappers = [w for w in (runner.full, runner.piecewise) if w is not None]
+    assert all(w.address_check is AddressCheck.FIRST_REPLAY for w in wrappers)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:3], GREEDY, use_tqdm=False)] == expected[:3]
+    assert _mixed_step_tokens(llm, mixed) == expected_mixed
+    for w in wrappers:
+        assert w.first_replay_checks == len(w.replays_by_descriptor)
+        assert all((e.recorder is None) == (d in w.replays_by_descriptor) for d, e in w._entries.items())
+    summary = runner.capture_summary
+    checks = sum(w.first_replay_check_seconds for w in wrappers)
+    print(f"\n{mode}: address check recorded {summary.num_graphs} graphs in {summary.address_record_seconds:.4f} s "
+          f"(capture {summary.seconds:.2f} s); {sum(w.first_replay_checks for w in wrappers)} first replays "
+          f"checked in {checks:.4f} s")
+    _release(llm)
+
+    llm = _llm(path, mode)
+    backend = llm.engine.model_runner.attn_backend
+    build = backend.build_metadata
+    backend.build_metadata = lambda common: dataclasses.replace(build(common), seq_lens=build(common).seq_lens.clone())
+    with pytest.raises(AddressMismatchError, match=r"attn_metadata\.seq_lens: 0x[0-9a-f]+ -> 0x[0-9a-f]+"):
+        llm.generate(prompts[:3], GREEDY, use_tqdm=False)
+    _release(llm)
+
+
 def test_kv_required_model_survives_warm_up(tiny, monkeypatch):
     """A model whose attention insists on the KV cache in graphs (as hybrid models do): the
     profile run must never capture, and capture after allocation must succeed."""

@@ -147,3 +147,19 @@ def test_compiling_ahead_is_a_plain_block_on_a_cpu(runner_factory, monkeypatch):
     with runner.kernels_compiled_ahead():
         ran = True
     assert ran and runner.precompile_seconds == 0.0 and runner.kv_caches is None
+
+
+def test_capture_records_addresses_for_the_first_replay_check_by_default(runner_factory, caplog):
+    """Production default: every captured graph's addresses are recorded (checked on its first
+    replay); the capture summary and one INFO line say what recording cost."""
+    from runner.cudagraph import AddressCheck
+    runner, _ = runner_factory("FULL_AND_PIECEWISE")
+    runner.load_model()
+    runner.initialize_kv_cache(32)
+    with caplog.at_level(logging.INFO, logger="runner.model_runner"):
+        runner.capture_cudagraphs()
+    assert runner.full.address_check is runner.piecewise.address_check is AddressCheck.FIRST_REPLAY
+    assert all(entry.recorder is not None for w in (runner.full, runner.piecewise) for entry in w._entries.values())
+    summary = runner.capture_summary
+    assert 0 < summary.address_record_seconds < summary.seconds
+    assert f"cudagraph address check (first_replay): recorded the addresses of {summary.num_graphs} graphs" in caplog.text

@@ -1,7 +1,7 @@
 """CUDA graphs: mode resolution, dispatch (keys, padding), breakable PIECEWISE capture,
-the FULL/PIECEWISE wrappers, the capture phase and the debug address check."""
+the FULL/PIECEWISE wrappers, the capture phase and the address check."""
 
-from runner.cudagraph.addresses import (AddressMismatchError, AddressRecorder, check_addresses,
+from runner.cudagraph.addresses import (AddressCheck, AddressMismatchError, AddressRecorder, check_addresses,
                                         debug_addresses_enabled, tensor_addresses)
 from runner.cudagraph.breakable import (CUDA_GRAPHS, BreakableCapture, BreakableGraph, BreakRecord,
                                         CudaGraphFactory, GraphLike, active_capture, break_point,
@@ -13,7 +13,7 @@ from runner.cudagraph.mode_resolution import resolve_cudagraph_mode
 from runner.cudagraph.wrapper import CUDAGraphWrapper
 
 __all__ = [
-    "AddressMismatchError", "AddressRecorder", "BatchDescriptor", "BreakRecord", "BreakableCapture",
+    "AddressCheck", "AddressMismatchError", "AddressRecorder", "BatchDescriptor", "BreakRecord", "BreakableCapture",
     "BreakableGraph", "CUDAGraphWrapper", "CUDA_GRAPHS", "CaptureSummary", "CapturePhase", "CudaGraphFactory",
     "CudagraphDispatcher", "GraphLike", "active_capture", "break_point", "capture_all", "check_addresses",
     "debug_addresses_enabled", "default_capture_sizes", "graph_pool", "measure_graph_memory",

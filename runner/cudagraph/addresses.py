@@ -1,11 +1,14 @@
-"""Debug check that a CUDA graph replays with the tensor addresses it was captured with.
+"""Check that a CUDA graph replays with the tensor addresses it was captured with.
 
 A graph bakes in the device pointers it saw at capture. If a replay's inputs or attention
 metadata hold a *different* tensor (rebound instead of copied into the static buffer),
-the graph silently reads stale memory. With the check on, capture records
-`path -> data_ptr` for every reachable tensor and each replay compares, naming the paths
-that moved (e.g. `attn_metadata.seq_lens: 0x7f.. -> 0x7f..`). It runs on every replay in
-tests, so the walk caches a plan per type and never calls user code it does not need.
+the graph silently reads stale memory. Capture records `path -> data_ptr` for every reachable
+tensor and a replay compares, naming the paths that moved (e.g.
+`attn_metadata.seq_lens: 0x7f.. -> 0x7f..`). By default (`AddressCheck.FIRST_REPLAY`) each
+graph is checked on its first replay only: a runner that rebinds a tensor does so on every
+step, so the first replay of each graph catches it and serving pays nothing afterwards.
+Debug mode (`EVERY_REPLAY`) checks every replay; the walk caches a plan per type and never
+calls user code it does not need, so that stays cheap enough for tests.
 """
 
 from __future__ import annotations
@@ -155,6 +158,28 @@ class AddressRecorder:
     def _addresses(named_objects: dict) -> dict[str, int]:
         return {path: ptr for name, obj in named_objects.items()
                 for path, ptr in tensor_addresses(obj, name).items()}
+
+
+class AddressCheck(enum.Enum):
+    """When a graph's replay addresses are compared with its capture's."""
+    OFF = "off"
+    FIRST_REPLAY = "first_replay"
+    """Once per graph, on its first replay (the default)."""
+    EVERY_REPLAY = "every_replay"
+    """On every replay (debug)."""
+
+    @classmethod
+    def of(cls, value: "AddressCheck | bool") -> "AddressCheck":
+        """An AddressCheck as given, or a bool meaning the debug flag: True checks every replay,
+        False none; GRAPHRUNNER_DEBUG_CUDAGRAPH=1 turns any value into EVERY_REPLAY."""
+        if isinstance(value, bool):
+            value = cls.EVERY_REPLAY if value else cls.OFF
+        return cls.EVERY_REPLAY if debug_addresses_enabled(False) else value
+
+    @classmethod
+    def from_config(cls, check: bool, debug: bool) -> "AddressCheck":
+        """CompilationConfig's check_cudagraph_addresses / debug_cudagraph_addresses."""
+        return cls.of(cls.EVERY_REPLAY if debug else cls.FIRST_REPLAY if check else cls.OFF)
 
 
 def debug_addresses_enabled(config_flag: bool) -> bool:

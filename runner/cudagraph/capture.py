@@ -70,6 +70,9 @@ class CaptureSummary:
     device_bytes: int = 0
     """Growth of device memory in use by anyone (free memory the driver reports), which also counts
     the driver's own allocations (graph executables, modules loaded on first launch)."""
+    address_record_seconds: float = 0.0
+    """Of `seconds`, the time spent recording the graphs' input addresses for the address check
+    (each graph's first replay then compares them: about as long again, spread over serving)."""
 
 
 def _reserved() -> int:

@@ -9,11 +9,18 @@ through and the PIECEWISE wrapper opens the breakable capture.
 
 Graphs are captured only inside `CapturePhase.capturing()`; a descriptor seen later without
 a graph is a runner bug (the dispatcher only returns captured keys), so it raises.
+
+Each graph's first replay compares its inputs' addresses with the capture's (addresses.py;
+every replay in debug mode). The wrapper adds up what recording and checking cost
+(`address_check_seconds`) and logs one INFO line when every graph it captured has passed its
+first-replay check.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -22,11 +29,12 @@ import torch
 
 from attention.forward_context import get_forward_context
 from configs.graph_mode import CUDAGraphMode
-from runner.cudagraph.addresses import AddressRecorder, debug_addresses_enabled
+from runner.cudagraph.addresses import AddressCheck, AddressRecorder
 from runner.cudagraph.breakable import CUDA_GRAPHS, BreakableCapture, GraphLike, _alias, _end_capture, capture_stream
 from runner.cudagraph.capture import CapturePhase
 from runner.cudagraph.dispatcher import BatchDescriptor
 
+logger = logging.getLogger(__name__)
 
 def _pool_fields(obj: Any) -> tuple[str, ...]:
     """Fields of an output dataclass that a FULL graph leaves in the pool instead of copying out
@@ -77,19 +85,26 @@ class _Entry:
     keeps only weak references to graph outputs for the same reason), so the graphs together
     cost what the largest one does -- the figure the KV budget reserves."""
     recorder: AddressRecorder | None
+    """The capture's addresses, until the check that the address-check mode asks for is done."""
 
 
 class CUDAGraphWrapper:
     """One graph per BatchDescriptor for `runnable`, in one runtime mode (FULL or PIECEWISE)."""
 
     def __init__(self, runnable: Callable[..., Any], runtime_mode: CUDAGraphMode, pool: Any,
-                 capture_phase: CapturePhase, address_check: bool = False,
+                 capture_phase: CapturePhase, address_check: AddressCheck | bool = AddressCheck.FIRST_REPLAY,
                  graph_factory: Callable[[], GraphLike] = CUDA_GRAPHS) -> None:
         if runtime_mode not in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE):
             raise ValueError(f"a graph wrapper runs FULL or PIECEWISE graphs, not {runtime_mode.name}")
         self.runnable, self.runtime_mode, self.pool = runnable, runtime_mode, pool
         self.capture_phase, self.graph_factory = capture_phase, graph_factory
-        self.address_check = debug_addresses_enabled(address_check)
+        self.address_check = AddressCheck.of(address_check)
+        self.address_record_seconds = 0.0
+        """Time spent recording addresses at capture."""
+        self.first_replay_check_seconds = 0.0
+        """Time spent in first-replay address checks (every replay's, in debug mode)."""
+        self.first_replay_checks = 0
+        """Graphs whose first replay was checked."""
         self._entries: dict[BatchDescriptor, _Entry] = {}
         self._shared_output: dict[tuple, torch.Tensor] = {}
         """FULL: one buffer per (position, dtype, trailing shape) of an output tensor, as many rows as
@@ -125,11 +140,33 @@ class CUDAGraphWrapper:
             entry.graph.replay()  # the capture ran nothing: compute this call's result
             return entry.output
         if entry.recorder is not None:
-            entry.recorder.check(**self._addressed(entry.graph, context, args, kwargs))
+            self._check_addresses(desc, entry, context, args, kwargs)
         entry.graph.replay()
         self.num_replays += 1
         self.replays_by_descriptor[desc] += 1
         return entry.output
+
+    @property
+    def address_check_seconds(self) -> float:
+        """What the address check has cost so far: recording at capture plus the checks."""
+        return self.address_record_seconds + self.first_replay_check_seconds
+
+    def _check_addresses(self, desc: BatchDescriptor, entry: _Entry, context: Any, args: tuple,
+                         kwargs: dict) -> None:
+        """Raise AddressMismatchError if an input moved; in FIRST_REPLAY mode, forget the recorded
+        addresses once they matched, so later replays skip the check."""
+        started = time.perf_counter()
+        entry.recorder.check(**self._addressed(entry.graph, context, args, kwargs))
+        self.first_replay_check_seconds += time.perf_counter() - started
+        if self.address_check is not AddressCheck.FIRST_REPLAY:
+            return
+        entry.recorder = None
+        self.first_replay_checks += 1
+        if self.first_replay_checks == len(self._entries):
+            logger.info("cudagraph address check: all %d %s graphs replayed at their captured addresses; "
+                        "recording them at capture took %.4f s, their first-replay checks %.4f s",
+                        len(self._entries), self.runtime_mode.name, self.address_record_seconds,
+                        self.first_replay_check_seconds)
 
     def _addressed(self, graph: Any, context: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         """What a replay must see at the captured addresses. FULL bakes in the metadata too;
@@ -153,9 +190,11 @@ class CUDAGraphWrapper:
                     output = _map_tensors(_alias, self.runnable(*args, **kwargs))
                 graph = capture.graph
         recorder = None
-        if self.address_check:
-            recorder = AddressRecorder(f"{self.runtime_mode.name} graph replay")
+        if self.address_check is not AddressCheck.OFF:
+            started = time.perf_counter()
+            recorder = AddressRecorder(f"{self.runtime_mode.name} graph replay of {context.batch_descriptor}")
             recorder.record(**self._addressed(graph, context, args, kwargs))
+            self.address_record_seconds += time.perf_counter() - started
         return _Entry(graph, output, recorder)
 
     def _output_views(self, like: Any) -> Any:
