@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from attention.forward_context import get_forward_context
-from runner.cudagraph.breakable import break_point
+from launch.break_point import break_point
 
 
 class Attention(nn.Module):
@@ -78,4 +78,4 @@ def _prepare_attention_replay(layer: Attention, query: torch.Tensor, key: torch.
 
 _attention.prepare_replay = _prepare_attention_replay
 attention_op = break_point(_attention)
-"""The attention op every layer calls: a PIECEWISE break point (runner/cudagraph/breakable.py)."""
+"""The attention op every layer calls: a PIECEWISE break point (launch/break_point.py; the capture: runner/cudagraph/breakable.py)."""

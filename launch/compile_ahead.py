@@ -26,7 +26,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from attention.kernels.specialisation import SPECIALISED, param_kinds, specialisation
+from launch.specialisation import SPECIALISED, param_kinds, specialisation
 
 logger = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ import functools
 import os
 from typing import Any, Callable
 
-from attention.kernels import compile_ahead as _ahead
-from attention.kernels.specialisation import CONSTEXPR, I32_MAX, I32_MIN, SPECIALISED, param_kinds, specialisation
+from launch import compile_ahead as _ahead
+from launch.specialisation import CONSTEXPR, I32_MAX, I32_MIN, SPECIALISED, param_kinds, specialisation
 
 ENABLED = os.environ.get("GRAPHRUNNER_FAST_LAUNCH", "1") != "0"
 """Read once at import (reading the environment costs ~1.5 us, per launch that adds up); tests
@@ -135,7 +135,7 @@ class FastLaunch:
 
     def __call__(self, grid: tuple[int, ...], *args: Any, device_index: int = 0,
                  num_warps: int = 4, num_stages: int = 3, launch_pdl: bool = False) -> Any:
-        """`launch_pdl`: launch with programmatic dependent launch (attention/kernels/pdl.py); a
+        """`launch_pdl`: launch with programmatic dependent launch (launch/pdl.py); a
         compile option, so part of the key (only passed on when set: the interpreter has no such option).
         Returns the CompiledKernel that ran when the fast path applies (for `relaunch`), else None
         (also inside `compile_ahead`, where nothing runs: the compile is only queued)."""

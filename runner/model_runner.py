@@ -17,7 +17,7 @@ from typing import ClassVar, Iterator
 import torch
 
 from attention.backends import get_attention_backend
-from attention.kernels.compile_ahead import compile_ahead, compile_threads, queuing_launches
+from launch.compile_ahead import compile_ahead, compile_threads, queuing_launches
 from attention.forward_context import ForwardContext, get_forward_context, set_forward_context
 from configs import CUDAGraphMode, EngineConfig, SamplingParams
 from models.hf_config import ModelSpec
@@ -208,7 +208,7 @@ class ModelRunner:
     @contextmanager
     def kernels_compiled_ahead(self) -> Iterator[None]:
         """Start-up inside this block compiles its Triton kernels on compiler threads
-        (attention/kernels/compile_ahead.py) instead of one at a time at their first launch.
+        (launch/compile_ahead.py) instead of one at a time at their first launch.
         Entering queues the compile of every variant the profile run and the graph captures will
         launch: their inert batches run once through the model itself (no graph wrapper), the
         profile batch without a KV cache, each capture key in its runtime mode (so FULL's split-KV

@@ -7,7 +7,7 @@ its step time on a small model is bound by host microseconds per layer, not by t
 measures, for the SmolLM2-135M decode shape at batch 1 and 32 (9 query / 3 KV heads, head_dim 64,
 context 160):
 - `unified_attention` per call, through Triton's `JITFunction.run` (GRAPHRUNNER_FAST_LAUNCH=0)
-  and through attention/kernels/fast_launch.py;
+  and through launch/fast_launch.py;
 - `torch.cuda.CUDAGraph.replay()` of a one-kernel graph.
 Host time = perf_counter over `--calls` back-to-back calls (no sync inside; the GPU work per call
 is a few microseconds, so the launch queue never fills), median of 5 repeats, microseconds per call.
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not torch.cuda.is_available():
         print("bench_launch: no CUDA device, nothing to measure")
         return {}
-    from attention.kernels import fast_launch
+    from launch import fast_launch
     rows = {}
     for batch_size in (1, 32):
         call = attention_case(batch_size)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from attention.kernels import compile_ahead as ahead
-from attention.kernels.fast_launch import FastLaunch
+from launch import compile_ahead as ahead
+from launch.fast_launch import FastLaunch
 
 
 class FakeJIT:

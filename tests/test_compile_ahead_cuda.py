@@ -30,7 +30,7 @@ from model_shapes import write_config
 from runner import LLM
 
 from triton.runtime._async_compile import AsyncCompileMode
-from attention.kernels.compile_ahead import compiling_ahead
+from launch.compile_ahead import compiling_ahead
 
 asked, naming = [], {{"name": "?"}}
 def on_cache_miss(*args, **kwargs):

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from attention.kernels import fast_launch
-from attention.kernels.fast_launch import FastLaunch
+from launch import fast_launch
+from launch.fast_launch import FastLaunch
 
 
 class FakeCompiledKernel:

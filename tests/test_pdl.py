@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (attention/kernels/pdl.py): when kernels launch with it, and that
+"""Programmatic dependent launch (launch/pdl.py): when kernels launch with it, and that
 every kernel that may be launched with it waits before touching what earlier kernels write.
 
 The real overlap is a GPU matter (tests/test_triton_gpu.py compares PDL on and off bit for bit,
@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from attention.kernels import pdl
+from launch import pdl
 from attention.kernels import unified_attention as ua
 from models import fused_kernels as fk
 from models import small_batch_kernels as sbk

@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from attention.kernels.driver_launch import kernel_launch
-from models import native_build
+from launch.driver_launch import kernel_launch
+from launch import native_build
 from runner.cudagraph import step_graph
 from runner.cudagraph.breakable import BreakableGraph, BreakRecord
 from runner.cudagraph.step_graph import StepGraph

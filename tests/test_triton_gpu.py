@@ -166,7 +166,7 @@ def test_cuda_graph_replays_new_metadata(num_tokens, num_reqs):
 
 @pytest.mark.parametrize("num_splits", [1, 8])
 def test_fast_launch_matches_triton_launch(num_splits, monkeypatch):
-    """attention/kernels/fast_launch.py: relaunching the compiled kernel directly gives the same bits
+    """launch/fast_launch.py: relaunching the compiled kernel directly gives the same bits
     as Triton's own launch path, on the current stream, and a new specialisation (a misaligned
     query view) compiles/launches through Triton again instead of reusing the wrong kernel."""
     from attention.kernels import unified_attention as ua
@@ -181,7 +181,7 @@ def test_fast_launch_matches_triton_launch(num_splits, monkeypatch):
         torch.cuda.synchronize()
         return batch.out.clone()
 
-    from attention.kernels import fast_launch
+    from launch import fast_launch
     monkeypatch.setattr(fast_launch, "ENABLED", False)
     expected = attend()
     monkeypatch.setattr(fast_launch, "ENABLED", True)

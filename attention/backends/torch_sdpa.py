@@ -10,9 +10,9 @@ skips the query gather and the output scatter, and folds each KV head's group of
 into the query-length dimension ([R, Hkv, group, D] against [R, Hkv, kv_len, D]): one small
 attention per KV head instead of one per query head.
 
-On a CPU with the C kernels (models/cpu_kernels.py: AVX-512, a C compiler), a pure decode step skips
-all of this: each layer's KV write and attention are one C call that reads the paged cache through
-the block table (`cpu_kernels.decode_attention`, 16 positions at a time, requests in parallel on
+On a CPU with the C kernel (cpu_decode_attention.py beside this file: AVX-512, a C compiler), a pure
+decode step skips all of this: each layer's KV write and attention are one C call that reads the paged cache through
+the block table (`cpu_decode_attention.decode_attention`, 16 positions at a time, requests in parallel on
 torch's OpenMP threads). Measured in a SmolLM2 bs32 decode step on a 2-core Xeon: 12.3 -> 7.0 ms of
 attention a step (the mask, the dense copy's upkeep and SDPA's padded read are gone).
 
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from attention.backends.base import AttentionBackend, AttentionCGSupport
 from attention.metadata import CommonAttentionMetadata
-from models import cpu_kernels
+from attention.backends import cpu_decode_attention
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -73,7 +73,7 @@ class _StepLayout:
     blocks (blocks * block_size) when gathering from the cache."""
     native_decode: bool = False
     """A decode step over a CPU fp32 cache: each layer's attention is one C call reading the paged cache
-    (models/cpu_kernels.decode_attention); no mask, gather indices or dense copy are built."""
+    (attention/backends/cpu_decode_attention.decode_attention); no mask, gather indices or dense copy are built."""
 
 
 @dataclass
@@ -281,15 +281,17 @@ class TorchSDPABackend(AttentionBackend):
         layout_key = None if kv_cache is None else (kv_cache.shape[1], kv_cache.shape[2])
         layout = metadata.layouts.get(layout_key)
         if layout is None:
+            native = cpu_decode_attention.native_attention()
             layout = metadata.layouts[layout_key] = _layout(metadata.common, kv_cache, query.device, query.dtype,
-                                                            self.dense_kv, native=cpu_kernels.native_attention())
+                                                            self.dense_kv, native=native)
         actual = layout.actual
         if layout.native_decode:
             common = metadata.common
             if actual < out.shape[0]:
                 out[actual:].zero_()
-            if cpu_kernels.decode_attention(query[:actual], key, value, kv_cache, common.block_table,
-                                            common.seq_lens_cpu, common.slot_mapping, layer.scale, out[:actual]):
+            if cpu_decode_attention.decode_attention(query[:actual], key, value, kv_cache, common.block_table,
+                                                     common.seq_lens_cpu, common.slot_mapping, layer.scale,
+                                                     out[:actual]):
                 return
             # This layer's tensors do not fit the kernel: the torch path, for the rest of the step too.
             layout = metadata.layouts[layout_key] = _layout(metadata.common, kv_cache, query.device, query.dtype,

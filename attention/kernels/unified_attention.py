@@ -35,9 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.kernels.driver_launch import KernelLaunch, kernel_launch
-from attention.kernels.fast_launch import FastLaunch, num_sms
-from attention.kernels.pdl import use_pdl, wait_for_producers
+from launch.driver_launch import KernelLaunch, kernel_launch
+from launch.fast_launch import FastLaunch, num_sms
+from launch.pdl import use_pdl, wait_for_producers
 
 LOG2E = 1.4426950408889634
 
@@ -522,7 +522,7 @@ class StepAttention:
         """The bound launch in driver form with this step's grid and arguments, and its stream, for
         layers whose `layer_key` is `key` (the PIECEWISE step graph's attention nodes,
         runner/cudagraph/step_graph.py), or None: nothing bound, another key, or a launch without
-        a driver form (attention/kernels/driver_launch.py). Worked out once per step."""
+        a driver form (launch/driver_launch.py). Worked out once per step."""
         if self._kernel is None or not (key is self._key or key == self._key):
             return None
         if self._native is None:

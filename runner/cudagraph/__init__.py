@@ -3,9 +3,9 @@ the FULL/PIECEWISE wrappers, the capture phase and the debug address check."""
 
 from runner.cudagraph.addresses import (AddressMismatchError, AddressRecorder, check_addresses,
                                         debug_addresses_enabled, tensor_addresses)
+from launch.break_point import active_capture, break_point
 from runner.cudagraph.breakable import (CUDA_GRAPHS, BreakableCapture, BreakableGraph, BreakRecord,
-                                        CudaGraphFactory, GraphLike, active_capture, break_point,
-                                        prime_capture_stream)
+                                        CudaGraphFactory, GraphLike, prime_capture_stream)
 from runner.cudagraph.capture import (CapturePhase, CaptureSummary, capture_all, graph_pool,
                                       measure_graph_memory)
 from runner.cudagraph.dispatcher import BatchDescriptor, CudagraphDispatcher, default_capture_sizes

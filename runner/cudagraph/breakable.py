@@ -1,6 +1,6 @@
 """Breakable stream capture: PIECEWISE graphs without torch.compile.
 
-One capture drives the whole forward. Ops decorated with `@break_point` (attention) end
+One capture drives the whole forward. Ops decorated with `@break_point` (launch/break_point.py; attention) end
 the current graph segment, run eagerly on the capture stream, are recorded, and a new
 segment starts in the same memory pool. `BreakableGraph.replay()` then runs segment 0,
 break op 0, segment 1, ... in order; the break ops run eagerly, so they read the forward
@@ -34,7 +34,6 @@ The graph primitive is a factory (`CUDA_GRAPHS` by default) so CPU tests can inj
 from __future__ import annotations
 
 import functools
-import threading
 import types
 import warnings
 from contextlib import contextmanager
@@ -43,6 +42,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
+from launch.break_point import begin_capture, end_capture
 from runner.cudagraph import step_graph
 
 
@@ -198,9 +198,6 @@ class BreakableGraph:
         return [(r.args, r.kwargs) for r in self.breaks]
 
 
-_state = threading.local()
-
-
 class BreakableCapture:
     """Context manager: capture everything run inside it as a `BreakableGraph` (`.graph`).
 
@@ -225,18 +222,16 @@ class BreakableCapture:
         _end_capture(graph)
 
     def __enter__(self) -> "BreakableCapture":
-        if getattr(_state, "capture", None) is not None:
-            raise RuntimeError("a BreakableCapture is already active on this thread; captures cannot nest")
-        _state.capture = self
+        begin_capture(self)
         try:
             self._begin_segment()
         except BaseException:
-            _state.capture = None
+            end_capture()
             raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        _state.capture = None
+        end_capture()
         if self._open is None:  # failed inside a break op: no segment is open
             return
         try:
@@ -268,21 +263,3 @@ class BreakableCapture:
         self._breaks.append(BreakRecord(op, args, kwargs, prepare(*args, **kwargs) if prepare is not None else None))
         self._begin_segment()
         return result
-
-
-def active_capture() -> BreakableCapture | None:
-    return getattr(_state, "capture", None)
-
-
-def break_point(op: Callable[..., Any]) -> Callable[..., Any]:
-    """Make `op` a PIECEWISE break point; outside a BreakableCapture it is just `op`."""
-
-    @functools.wraps(op)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        capture = getattr(_state, "capture", None)
-        if capture is None:
-            return op(*args, **kwargs)
-        return capture.run_break(op, args, kwargs)
-
-    wrapper.__wrapped_op__ = op
-    return wrapper

@@ -15,7 +15,7 @@ metadata and still handles any batch composition: its launch is planned from thi
 context (unified_attention.StepAttention), as an eager launch would be.
 
 Pieces:
-- the step's attention launch in driver form comes from attention/kernels/driver_launch.py;
+- the step's attention launch in driver form comes from launch/driver_launch.py;
 - `library()`: a small C file compiled once with the system C compiler against the `cuda.h` that
   ships with Triton (as Triton builds its own launchers), cached by source hash, loaded with
   ctypes; None (logged once, with why) where there is no CUDA driver, compiler or header;
@@ -37,7 +37,8 @@ import weakref
 from pathlib import Path
 from typing import Any, Sequence
 
-from attention.kernels.driver_launch import PATCHED_ARGS, KernelLaunch
+from launch import native_build
+from launch.driver_launch import PATCHED_ARGS, KernelLaunch
 
 logger = logging.getLogger(__name__)
 
@@ -159,8 +160,7 @@ def cuda_header_dir() -> Path | None:
 
 def build_library(include: Path, cc: str, out_dir: Path | None = None) -> Path:
     """Compile the step-graph functions into a shared library (once per source and header: cached by their hash)."""
-    from models.native_build import compile_shared  # here: models/ imports this package while it initialises
-    return compile_shared("step_graph", _SOURCE, cc, ["-O2", "-I", str(include)], libs=("-ldl",),
+    return native_build.compile_shared("step_graph", _SOURCE, cc, ["-O2", "-I", str(include)], libs=("-ldl",),
                           key=(include / "cuda.h").read_bytes(), out_dir=out_dir)
 
 
@@ -174,8 +174,7 @@ def library() -> Any | None:
     if _library_tried:
         return _library
     _library_tried = True
-    from models.native_build import compiler
-    include, cc = cuda_header_dir(), compiler()
+    include, cc = cuda_header_dir(), native_build.compiler()
     if include is None or cc is None:
         logger.info("PIECEWISE replays stay in Python: %s", "no cuda.h from Triton" if include is None else "no C compiler")
         return None
