@@ -63,10 +63,9 @@ def launch_key(fn: Any, args: tuple, options: dict) -> tuple:
     return (fn, tuple(specialisation(args, kinds)), tuple(sorted(options.items())))
 
 
-def compile_threads() -> int:
-    """Compiler threads: GRAPHRUNNER_COMPILE_THREADS, else one per CPU up to 16 (0 turns
-    compiling ahead off; the kernels then compile at their first launch, one at a time)."""
-    configured = os.environ.get("GRAPHRUNNER_COMPILE_THREADS")
+def compile_threads(configured: int | None) -> int:
+    """Compiler threads: `configured` (CompilationConfig.compile_threads), else (None) one per CPU up to
+    16. 0 turns compiling ahead off: the kernels then compile at their first launch, one at a time."""
     if configured is not None:
         return max(0, int(configured))
     return min(16, os.cpu_count() or 1)

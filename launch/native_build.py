@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
+from configs.kernel_config import active_kernel_config
+
 logger = logging.getLogger(__name__)
 
 
@@ -28,7 +30,8 @@ def compiler() -> str | None:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("GRAPHRUNNER_CACHE_DIR") or Path.home() / ".cache" / "graphrunner") / "native"
+    """Where built libraries are kept: <KernelConfig.cache_dir>/native."""
+    return Path(active_kernel_config().cache_dir) / "native"
 
 
 def compile_shared(name: str, source: str, cc: str, flags: list[str], libs: tuple[str, ...] = (),

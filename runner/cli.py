@@ -9,6 +9,25 @@ import sys
 import time
 
 
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options any command that builds an engine takes: whole sub-configs as JSON (vLLM's
+    `--compilation-config` form), so every switch of configs/ is reachable without new flags."""
+    parser.add_argument("--kernel-config", type=json.loads, metavar="JSON",
+                        help='KernelConfig fields (configs/kernel_config.py), e.g. \'{"pdl": false}\'')
+    parser.add_argument("--compilation-config", type=json.loads, metavar="JSON",
+                        help='CompilationConfig fields, e.g. \'{"step_graph": false, "compile_threads": 0}\'')
+    parser.add_argument("--download-dir", help="where model 'default' builds its checkpoint (ModelConfig.download_dir)")
+
+
+def config_options(args: argparse.Namespace) -> dict:
+    """The `LLM(...)` keyword arguments of `add_config_arguments`' options that were given."""
+    options = {}
+    for name in ("kernel_config", "compilation_config", "download_dir"):
+        if getattr(args, name, None) is not None:
+            options[name] = getattr(args, name)
+    return options
+
+
 def _generate(args: argparse.Namespace) -> int:
     from configs import SamplingParams
     from runner.llm import LLM
@@ -29,6 +48,7 @@ def _generate(args: argparse.Namespace) -> int:
         options["max_model_len"] = args.max_model_len
     if args.pipeline_parallel_size > 1:
         options["pipeline_parallel_size"] = args.pipeline_parallel_size
+    options.update(config_options(args))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     with LLM(model=args.model, **options) as llm:
         started = time.perf_counter()
@@ -81,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-model-len", type=int)
     gen.add_argument("--pipeline-parallel-size", type=int, default=1, help="processes, each with a slice of layers")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    add_config_arguments(gen)
     gen.set_defaults(func=_generate)
     bench = sub.add_parser("bench", help="run scripts/bench_<which>.py")
     bench.add_argument("which", choices=["cpu", "decode", "throughput", "attention"])

@@ -57,26 +57,23 @@ def test_c_rms_norm_declines_where_it_does_not_apply():
     assert y.grad is not None
 
 
-def test_kernels_switch_off(monkeypatch):
-    monkeypatch.setenv("GRAPHRUNNER_CPU_KERNELS", "0")
-    cpu_kernels.library.cache_clear()
-    try:
-        assert cpu_kernels.library() is None
-        with torch.inference_mode():
-            assert cpu_kernels.add_rms_norm(torch.randn(2, 8), None, torch.ones(8), 1e-5) is None
-    finally:
-        monkeypatch.delenv("GRAPHRUNNER_CPU_KERNELS")
-        cpu_kernels.library.cache_clear()
+def test_kernels_switch_off(kernel_switches):
+    """KernelConfig.cpu_kernels=False: neither library is loaded, every op takes the torch path."""
+    kernel_switches(cpu_kernels=False)
+    assert cpu_kernels.library() is None and c_attention.library() is None
+    assert not c_attention.native_attention()
+    with torch.inference_mode():
+        assert cpu_kernels.add_rms_norm(torch.randn(2, 8), None, torch.ones(8), 1e-5) is None
 
 
 def test_no_compiler_keeps_the_torch_path(monkeypatch):
     from launch import native_build
     monkeypatch.setattr(native_build, "compiler", lambda: None)
-    cpu_kernels.library.cache_clear()
+    cpu_kernels._library.cache_clear()
     try:
         assert cpu_kernels.library() is None
     finally:
-        cpu_kernels.library.cache_clear()
+        cpu_kernels._library.cache_clear()
 
 
 # --- RoPE, SiLU*mul, the LM-head screen: the C pass against the torch ops it replaces ---------------
@@ -313,7 +310,7 @@ def test_a_compiler_without_openmp_builds_the_same_kernels_for_one_core(monkeypa
         native = c_attention.decode_attention(b.query, key, value, b.kv_cache, b.block_table, b.seq_lens,
                                               b.slot_mapping, b.scale, expected)
         monkeypatch.setattr(native_build, "compile_shared", no_openmp)
-        c_attention.library.cache_clear()
+        c_attention._library.cache_clear()
         try:
             assert c_attention.library() is not None and tried == [True, False]
             got = torch.empty_like(b.query)
@@ -321,7 +318,7 @@ def test_a_compiler_without_openmp_builds_the_same_kernels_for_one_core(monkeypa
             assert c_attention.decode_attention(b.query, key, value, b.kv_cache, b.block_table, b.seq_lens,
                                                 b.slot_mapping, b.scale, got) == native
         finally:
-            c_attention.library.cache_clear()
+            c_attention._library.cache_clear()
     if native:
         assert torch.equal(got, expected)
 

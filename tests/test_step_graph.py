@@ -17,7 +17,7 @@ import torch
 
 from launch.driver_launch import kernel_launch
 from launch import native_build
-from runner.cudagraph import step_graph
+from runner.cudagraph import breakable, step_graph
 from runner.cudagraph.breakable import BreakableGraph, BreakRecord
 from runner.cudagraph.step_graph import StepGraph
 
@@ -178,8 +178,18 @@ def test_step_graph_needs_kept_graphs_and_can_be_switched_off(monkeypatch):
     assert graph is not None and list(graph.graphs) == [1, 2, 3]
     assert step_graph.make_step_graph([Segment(1), object(), Segment(3)], [(7, 8, 9), (4, 5, 6)]) is None  # a fake
     assert step_graph.make_step_graph([Segment(1), Segment(0), Segment(3)], [(7, 8, 9), (4, 5, 6)]) is None  # not kept
-    monkeypatch.setattr(step_graph, "ENABLED", False)
-    assert step_graph.make_step_graph([Segment(1), Segment(2), Segment(3)], [(7, 8, 9), (4, 5, 6)]) is None
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_capture_asks_for_a_step_graph_only_when_switched_on(monkeypatch, enabled):
+    """CompilationConfig.step_graph reaches the capture: off, the graph replays from Python."""
+    from tests.test_breakable_capture import FakeGraphForTests
+    asked = []
+    monkeypatch.setattr(breakable, "native_step_graph", lambda segments, breaks: asked.append(1) or ("graph", None))
+    with breakable.BreakableCapture(None, FakeGraphForTests, step_graph=enabled) as capture:
+        pass
+    assert bool(asked) == enabled
+    assert capture.graph.step_graph == (("graph", None) if enabled else None)
 
 
 class Log:

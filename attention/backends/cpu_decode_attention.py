@@ -7,7 +7,7 @@ parallel on torch's own OpenMP threads (the library links libgomp, which resolve
 loaded). Not bit for bit SDPA (its sums run in another order, as SDPA's do against HF's eager
 attention): within 2e-6 of a float64 reference in tests/test_cpu_kernels.py, and token for token HF in
 tests/test_smollm2.py. Needs AVX-512 and torch's AVX-512 kernels (their vector exp); off with
-GRAPHRUNNER_CPU_KERNELS=0, and wherever the compiler or the build is missing: the torch path then runs.
+KernelConfig.cpu_kernels=False, and wherever the compiler or the build is missing: the torch path then runs.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 
 import torch
 
+from configs.kernel_config import active_kernel_config
 from launch import native_build
 
 logger = logging.getLogger(__name__)
@@ -163,11 +163,14 @@ SIGNATURES = [
 ]
 
 
-@functools.cache
 def library():
-    """The loaded kernel (ctypes), or None (switched off, no compiler, the build failed; logged once)."""
-    if os.environ.get("GRAPHRUNNER_CPU_KERNELS", "1") == "0":
-        return None
+    """The loaded kernel (ctypes), or None: switched off (KernelConfig.cpu_kernels), no compiler, or the build
+    failed (logged once)."""
+    return _library() if active_kernel_config().cpu_kernels else None
+
+
+@functools.cache
+def _library():
     cc = native_build.compiler()
     if cc is None:
         logger.info("CPU decode attention off: no C compiler")

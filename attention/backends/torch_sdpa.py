@@ -29,7 +29,6 @@ break point it runs eagerly between graph segments and is fine.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -246,10 +245,6 @@ class _DenseKV:
         return copy[0, :num_reqs, :max_kv], copy[1, :num_reqs, :max_kv]
 
 
-def _dense_enabled() -> bool:
-    return os.environ.get("GRAPHRUNNER_TORCH_DENSE_KV", "1") != "0"
-
-
 def _key_value(key: torch.Tensor, value: torch.Tensor, rows: int, write_rows: torch.Tensor | None) -> torch.Tensor:
     """[2, written, Hkv, D]: this step's keys then values of the rows that write, as a view when
     value directly follows key in the same rows (both split from one qkv projection)."""
@@ -269,8 +264,9 @@ class TorchSDPABackend(AttentionBackend):
     name = "torch"
     cudagraph_support = AttentionCGSupport.NEVER
 
-    def __init__(self) -> None:
-        self.dense_kv = _DenseKV() if _dense_enabled() else None
+    def __init__(self, dense_kv: bool = True) -> None:
+        """`dense_kv`: keep the dense K/V copy (KernelConfig.torch_dense_kv); False: gather from the cache."""
+        self.dense_kv = _DenseKV() if dense_kv else None
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchSDPAMetadata:
         return TorchSDPAMetadata(common)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import os
 import types
 from collections.abc import Mapping
 
@@ -157,7 +156,3 @@ class AddressRecorder:
                 for path, ptr in tensor_addresses(obj, name).items()}
 
 
-def debug_addresses_enabled(config_flag: bool) -> bool:
-    """The config flag, or GRAPHRUNNER_DEBUG_CUDAGRAPH=1/true to switch it on without editing configs."""
-    env = os.environ.get("GRAPHRUNNER_DEBUG_CUDAGRAPH", "").strip().lower()
-    return bool(config_flag) or env in ("1", "true")

@@ -204,8 +204,11 @@ class BreakableCapture:
     Only one per thread at a time (graphs cannot nest). Break points act only inside one, so
     a FULL capture (no BreakableCapture) records attention like any other op."""
 
-    def __init__(self, pool: Any, graph_factory: Callable[[], GraphLike] = CUDA_GRAPHS) -> None:
-        self.pool, self.graph_factory = pool, graph_factory
+    def __init__(self, pool: Any, graph_factory: Callable[[], GraphLike] = CUDA_GRAPHS,
+                 step_graph: bool = True) -> None:
+        """`step_graph`: offer the captured graph a step graph (`native_step_graph`); False: every replay
+        runs from Python (CompilationConfig.step_graph)."""
+        self.pool, self.graph_factory, self.step_graph = pool, graph_factory, step_graph
         self._segments: list[GraphLike] = []
         self._breaks: list[BreakRecord] = []
         self._open: GraphLike | None = None
@@ -241,7 +244,8 @@ class BreakableCapture:
                 raise  # otherwise the original error is the one worth seeing
             return
         if exc_type is None:
-            self.graph = BreakableGraph(self._segments, self._breaks, native_step_graph(self._segments, self._breaks))
+            whole = native_step_graph(self._segments, self._breaks) if self.step_graph else None
+            self.graph = BreakableGraph(self._segments, self._breaks, whole)
 
     def run_break(self, op: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """End the segment, run `op` eagerly, check it wrote into `out`, record it, resume."""

@@ -24,14 +24,14 @@ Pieces:
 
 What this skips of `torch.cuda.CUDAGraph.replay`: the per-replay RNG prologue (model segments draw
 no random numbers; sampling runs outside the graphs). The kernel nodes carry no PDL attribute (the
-kernel's wait is then a no-op). GRAPHRUNNER_STEP_GRAPH=0 (read at import) keeps every replay in Python.
+kernel's wait is then a no-op). CompilationConfig.step_graph=False keeps every replay in Python (the
+capture then never asks for a step graph, runner/cudagraph/breakable.py).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import subprocess
 import weakref
 from pathlib import Path
@@ -41,9 +41,6 @@ from launch import native_build
 from launch.driver_launch import PATCHED_ARGS, KernelLaunch
 
 logger = logging.getLogger(__name__)
-
-ENABLED = os.environ.get("GRAPHRUNNER_STEP_GRAPH", "1") != "0"
-"""Read once at import; tests and benchmarks that switch it at run time set this attribute."""
 
 _SOURCE = r"""
 #include <dlfcn.h>
@@ -266,9 +263,9 @@ class StepGraph:
 
 def make_step_graph(segments: Sequence[Any], patched: Sequence[Sequence[int]]) -> StepGraph | None:
     """A StepGraph over `segments` and the attention launches between them (`patched`: each
-    break's q, KV cache and out addresses), or None where it cannot run (disabled, a segment not
+    break's q, KV cache and out addresses), or None where it cannot run (a segment not
     kept as a graph, no library)."""
-    if not ENABLED or len(segments) < 2:
+    if len(segments) < 2:
         return None
     graphs = [kept_graph(segment) for segment in segments]
     if any(g is None for g in graphs):

@@ -22,7 +22,7 @@ import torch
 
 from attention.forward_context import get_forward_context
 from configs.graph_mode import CUDAGraphMode
-from runner.cudagraph.addresses import AddressRecorder, debug_addresses_enabled
+from runner.cudagraph.addresses import AddressRecorder
 from runner.cudagraph.breakable import CUDA_GRAPHS, BreakableCapture, GraphLike, _alias, _end_capture, capture_stream
 from runner.cudagraph.capture import CapturePhase
 from runner.cudagraph.dispatcher import BatchDescriptor
@@ -84,12 +84,14 @@ class CUDAGraphWrapper:
 
     def __init__(self, runnable: Callable[..., Any], runtime_mode: CUDAGraphMode, pool: Any,
                  capture_phase: CapturePhase, address_check: bool = False,
-                 graph_factory: Callable[[], GraphLike] = CUDA_GRAPHS) -> None:
+                 graph_factory: Callable[[], GraphLike] = CUDA_GRAPHS, step_graph: bool = True) -> None:
+        """`address_check`: CompilationConfig.debug_cudagraph_addresses; `step_graph`: CompilationConfig.step_graph
+        (PIECEWISE graphs may replay as one step graph, runner/cudagraph/step_graph.py)."""
         if runtime_mode not in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE):
             raise ValueError(f"a graph wrapper runs FULL or PIECEWISE graphs, not {runtime_mode.name}")
         self.runnable, self.runtime_mode, self.pool = runnable, runtime_mode, pool
         self.capture_phase, self.graph_factory = capture_phase, graph_factory
-        self.address_check = debug_addresses_enabled(address_check)
+        self.address_check, self.step_graph = address_check, step_graph
         self._entries: dict[BatchDescriptor, _Entry] = {}
         self._shared_output: dict[tuple, torch.Tensor] = {}
         """FULL: one buffer per (position, dtype, trailing shape) of an output tensor, as many rows as
@@ -149,7 +151,7 @@ class CUDAGraphWrapper:
                 graph, output = self._capture_full(output, args, kwargs)
             else:
                 del warm
-                with BreakableCapture(self.pool, self.graph_factory) as capture:
+                with BreakableCapture(self.pool, self.graph_factory, self.step_graph) as capture:
                     output = _map_tensors(_alias, self.runnable(*args, **kwargs))
                 graph = capture.graph
         recorder = None
