@@ -18,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 
 from attention.forward_context import ForwardContext, get_forward_context, set_forward_context
 from configs.graph_mode import CUDAGraphMode as M
+from launch.break_point import PreparedBreak
 from runner.cudagraph import (AddressMismatchError, BatchDescriptor as BD, BreakableCapture, CapturePhase,
                               CUDAGraphWrapper, active_capture, break_point, capture_all, measure_graph_memory)
 
@@ -177,8 +178,8 @@ def test_out_positional_and_returning_out_are_accepted():
 
 
 def test_prepare_replay_is_asked_once_at_capture_and_its_replay_runs_instead():
-    """An op's `prepare_replay` gets the recorded inputs at capture; replays call what it returned
-    (None: the op itself)."""
+    """A break point's `prepare_replay` gets the recorded inputs at capture; replays call the replay
+    of the PreparedBreak it returned (None: the op itself)."""
     prepared, replays = [], []
 
     def scaled(x, *, out):
@@ -187,10 +188,9 @@ def test_prepare_replay_is_asked_once_at_capture_and_its_replay_runs_instead():
 
     def prepare(x, *, out):
         prepared.append((x, out))
-        return (lambda: replays.append("fast")) if len(prepared) == 1 else None
+        return PreparedBreak(lambda: replays.append("fast")) if len(prepared) == 1 else None
 
-    scaled.prepare_replay = prepare
-    op = break_point(scaled)
+    op = break_point(scaled, prepare_replay=prepare)
     with BreakableCapture(None, FakeGraphForTests) as capture:
         a, b = torch.empty(2), torch.empty(2)
         op(torch.ones(2), out=a)

@@ -448,7 +448,9 @@ def test_piecewise_break_replay_uses_the_key_computed_at_capture(monkeypatch):
     layer = SimpleNamespace(scale=0.5, cache_index=0)
     q, out, cache = torch.zeros(2, 4, 8), torch.zeros(2, 4, 8), torch.zeros(2, 3, 4, 2, 8)
     assert backend.prepare_replay(layer, q, q, q, out, cache) is None
-    replay = backend.prepare_replay(layer, q, None, None, out, cache)
+    prepared = backend.prepare_replay(layer, q, None, None, out, cache)
+    replay = prepared.replay
+    assert prepared.step_graph.group is backend
 
     def metadata():
         return SimpleNamespace(query_start_loc=None, seq_lens=None, block_table=None, max_seq_len=9)

@@ -15,13 +15,14 @@ rejected at capture. Its tensor arguments must be activations produced inside th
 context, never passed in. Capture runs break ops on not-yet-computed inputs: the capture
 batch must be inert (slot_mapping -1), which the runner's dummy batches are.
 
-A break op may offer `op.prepare_replay(*args, **kwargs)`: called once at capture with the
-recorded inputs, it returns a zero-argument replay of the op on them (which still reads the
-forward context current at replay), or None for the generic call. Why: a PIECEWISE step of a
-30-layer model replays 30 break ops from Python, and work that depends only on the recorded
-inputs (checking their shapes, strides, alignment) need not be redone every step.
+A break point may offer `prepare_replay(*args, **kwargs)` (launch/break_point.py: `BreakPoint`):
+called once at capture with the recorded inputs, it returns a `PreparedBreak`, a zero-argument replay
+of the op on them (which still reads the forward context current at replay), or None for the generic
+call. Why: a PIECEWISE step of a 30-layer model replays 30 break ops from Python, and work that depends
+only on the recorded inputs (checking their shapes, strides, alignment) need not be redone every step.
 
-A graph whose prepared replays all offer it (`native_step_graph`: the Triton attention backend's do) is
+A graph whose prepared breaks all offer it (a `StepGraphLink`, one group for all: the Triton attention
+backend's do; `native_step_graph`) is
 replayed as ONE CUDA graph (runner/cudagraph/step_graph.py): its segments as child graphs and its
 attention as kernel nodes, re-parameterised from the step's own launch plan when it differs from the
 last step's. A step that cannot take it (its launch has no compiled kernel yet, needs a second
@@ -42,7 +43,8 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
-from launch.break_point import begin_capture, end_capture
+from launch.break_point import BreakPoint, StepBinder, StepGraphLink, begin_capture, end_capture
+from launch.driver_launch import KernelLaunch
 from runner.cudagraph import step_graph
 
 
@@ -139,22 +141,34 @@ def _replay_of(segment: GraphLike) -> Callable[[], None]:
     return types.MethodType(native, segment)
 
 
-def native_step_graph(segments: list[GraphLike], breaks: list["BreakRecord"]) -> tuple | None:
-    """(StepGraph, bind) for a graph whose break replays all offer the step graph, else None.
+class StepGraphRunner(Protocol):
+    """What replays a whole BreakableGraph as one launch (runner/cudagraph/step_graph.StepGraph)."""
 
-    The protocol: each prepared replay has `step_graph_group` (one object for all breaks of the graph)
-    and `patched` (the addresses that differ per break); `step_graph_group.step_graph_binder(replays)` returns
-    the per-step `bind()` -> (KernelLaunch, stream) of the step's attention, planned without being
-    launched, or None (see attention/backends/triton_paged.py)."""
-    replays = [r.replay for r in breaks]
-    group = getattr(replays[0], "step_graph_group", None) if replays else None
-    if group is None or any(getattr(r, "step_graph_group", None) is not group for r in replays):
+    runs: int
+
+    def run(self, launch: KernelLaunch, stream: int) -> None: ...
+
+
+@dataclass
+class StepGraphReplay:
+    """A BreakableGraph as one CUDA graph: `graph` launches it given the step's attention launch, which
+    `bind()` plans each step (None: that step replays from Python)."""
+    graph: StepGraphRunner
+    bind: StepBinder
+
+
+def native_step_graph(segments: list[GraphLike], breaks: list["BreakRecord"]) -> StepGraphReplay | None:
+    """The step graph of a graph whose breaks all carry a StepGraphLink of one group that offers a
+    binder (launch/break_point.py has the protocol; attention/backends/triton_paged.py implements it),
+    else None."""
+    links = [r.step_graph for r in breaks]
+    if not links or links[0] is None or any(link is None or link.group is not links[0].group for link in links):
         return None
-    bind = group.step_graph_binder(replays)
+    bind = links[0].group.step_graph_binder([r.replay for r in breaks])
     if bind is None:
         return None
-    graph = step_graph.make_step_graph(segments, [r.patched for r in replays])
-    return None if graph is None else (graph, bind)
+    graph = step_graph.make_step_graph(segments, [link.patched for link in links])
+    return None if graph is None else StepGraphReplay(graph, bind)
 
 
 @dataclass(frozen=True)
@@ -164,16 +178,18 @@ class BreakRecord:
     kwargs: dict
     replay: Callable[[], Any] | None = None
     """The op's own replay of these inputs (`prepare_replay`), or None: `op(*args, **kwargs)`."""
+    step_graph: StepGraphLink | None = None
+    """How this break joins a step graph (from its PreparedBreak), or None: it cannot."""
 
 
 class BreakableGraph:
     """Captured segments and the break ops between them: len(segments) == len(breaks) + 1.
 
-    `step_graph`: (StepGraph, bind), the whole graph as one CUDA graph (runner/cudagraph/step_graph.py)
-    and its per-step binder, when the breaks allow it (`native_step_graph`); else None and every
-    replay runs from Python."""
+    `step_graph`: the whole graph as one CUDA graph (runner/cudagraph/step_graph.py) and its per-step
+    binder, when the breaks allow it (`native_step_graph`); else None and every replay runs from Python."""
 
-    def __init__(self, segments: list[GraphLike], breaks: list[BreakRecord], step_graph: tuple | None = None) -> None:
+    def __init__(self, segments: list[GraphLike], breaks: list[BreakRecord],
+                 step_graph: StepGraphReplay | None = None) -> None:
         if len(segments) != len(breaks) + 1:
             raise ValueError(f"{len(segments)} segments for {len(breaks)} breaks")
         self.segments, self.breaks = segments, breaks
@@ -182,11 +198,11 @@ class BreakableGraph:
         self.step_graph = step_graph
 
     def replay(self) -> None:
-        if self.step_graph is not None:
-            graph, bind = self.step_graph
-            bound = bind()                    # this step's attention launch, planned, not launched
+        whole = self.step_graph
+        if whole is not None:
+            bound = whole.bind()              # this step's attention launch, planned, not launched
             if bound is not None:
-                graph.run(*bound)             # the whole forward: one graph launch
+                whole.graph.run(*bound)       # the whole forward: one graph launch
                 return
         for replay, call in zip(self._replays, self._calls):
             replay()
@@ -247,8 +263,9 @@ class BreakableCapture:
             whole = native_step_graph(self._segments, self._breaks) if self.step_graph else None
             self.graph = BreakableGraph(self._segments, self._breaks, whole)
 
-    def run_break(self, op: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """End the segment, run `op` eagerly, check it wrote into `out`, record it, resume."""
+    def run_break(self, point: BreakPoint, args: tuple, kwargs: dict) -> Any:
+        """End the segment, run the point's op eagerly, check it wrote into `out`, record it, resume."""
+        op = point.op
         name = getattr(op, "__qualname__", repr(op))
         out = kwargs.get("out")
         if out is None and args and isinstance(args[-1], torch.Tensor):
@@ -263,7 +280,8 @@ class BreakableCapture:
             raise RuntimeError(f"break op {name} returned {what}; write into the caller-provided "
                                f"out buffer and return None (or out)")
         args, kwargs = _alias(args), {k: _alias(v) for k, v in kwargs.items()}
-        prepare = getattr(op, "prepare_replay", None)
-        self._breaks.append(BreakRecord(op, args, kwargs, prepare(*args, **kwargs) if prepare is not None else None))
+        prepared = point.prepare_replay(*args, **kwargs) if point.prepare_replay is not None else None
+        self._breaks.append(BreakRecord(op, args, kwargs, prepared.replay if prepared else None,
+                                        prepared.step_graph if prepared else None))
         self._begin_segment()
         return result

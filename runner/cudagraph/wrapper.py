@@ -23,7 +23,8 @@ import torch
 from attention.forward_context import get_forward_context
 from configs.graph_mode import CUDAGraphMode
 from runner.cudagraph.addresses import AddressRecorder
-from runner.cudagraph.breakable import CUDA_GRAPHS, BreakableCapture, GraphLike, _alias, _end_capture, capture_stream
+from runner.cudagraph.breakable import (CUDA_GRAPHS, BreakableCapture, BreakableGraph, GraphLike, _alias, _end_capture,
+                                        capture_stream)
 from runner.cudagraph.capture import CapturePhase
 from runner.cudagraph.dispatcher import BatchDescriptor
 
@@ -107,7 +108,8 @@ class CUDAGraphWrapper:
     @property
     def step_graph_runs(self) -> int:
         """PIECEWISE replays launched as one step graph (runner/cudagraph/step_graph.py)."""
-        return sum(e.graph.step_graph[0].runs for e in self._entries.values() if getattr(e.graph, "step_graph", None))
+        return sum(e.graph.step_graph.graph.runs for e in self._entries.values()
+                   if isinstance(e.graph, BreakableGraph) and e.graph.step_graph is not None)
 
     def captured_descriptors(self) -> list[BatchDescriptor]:
         return list(self._entries)
