@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from attention.forward_context import get_forward_context
-from runner.cudagraph.breakable import break_point
+from launch.break_point import PreparedBreak, break_point
 
 
 class Attention(nn.Module):
@@ -66,16 +66,15 @@ def _attention(layer: Attention, query: torch.Tensor, key: torch.Tensor, value: 
 
 
 def _prepare_attention_replay(layer: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                              *, out: torch.Tensor):
+                              *, out: torch.Tensor) -> PreparedBreak | None:
     """The break's replay on its recorded inputs, when the backend offers a faster one than
-    `_attention` (`prepare_replay(layer, query, key, value, out, kv_cache)`); else None."""
+    `_attention` (AttentionBackend.prepare_replay); else None."""
     context = get_forward_context()
-    prepare = getattr(context.attn_backend, "prepare_replay", None)
-    if prepare is None or context.kv_caches is None:
+    if context.kv_caches is None:
         return None
-    return prepare(layer, query, key, value, out, context.kv_caches[layer.cache_index])
+    kv_cache = context.kv_caches[layer.cache_index]
+    return context.attn_backend.prepare_replay(layer, query, key, value, out, kv_cache)
 
 
-_attention.prepare_replay = _prepare_attention_replay
-attention_op = break_point(_attention)
-"""The attention op every layer calls: a PIECEWISE break point (runner/cudagraph/breakable.py)."""
+attention_op = break_point(_attention, prepare_replay=_prepare_attention_replay)
+"""The attention op every layer calls: a PIECEWISE break point (launch/break_point.py; the capture: runner/cudagraph/breakable.py)."""

@@ -2,21 +2,29 @@
 
 `EngineConfig.from_kwargs(model=..., **kwargs)` takes the flat keyword arguments a user
 passes to `LLM(...)` and routes each to the sub-config that owns it, so a misspelt
-option fails loudly with the list of known ones.
+option fails loudly with the list of known ones. A whole sub-config may be passed as one
+argument too (`kernel_config={"pdl": False}`, `compilation_config=CompilationConfig(...)`).
+
+Fields whose default an environment variable may set read it here, when the config is built
+(configs/env.py is the only reader; the table is configs.env.ENV_FIELDS).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from configs.env import env_default
 from configs.graph_mode import CUDAGraphMode
+from configs.kernel_config import KernelConfig
 
 
 class _Config(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True,
+                              protected_namespaces=())
 
 
 class ModelConfig(_Config):
@@ -30,6 +38,10 @@ class ModelConfig(_Config):
     tokenizer: str | None = None
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     """auto: triton on CUDA, torch on a CPU."""
+    download_dir: str = Field(
+        default_factory=env_default("GRAPHRUNNER_HOME", "ModelConfig.download_dir",
+                                    lambda: str(Path.home() / ".cache" / "graphrunner"), str),
+        description="where model='default' builds the embedded SmolLM2 checkpoint [GRAPHRUNNER_HOME]")
 
     @field_validator("model", "tokenizer", mode="before")
     @classmethod
@@ -74,8 +86,20 @@ class CompilationConfig(_Config):
     """Compare each captured graph's input addresses with its capture's on its FIRST replay
     (once per graph: serving pays nothing afterwards) and raise AddressMismatchError, naming
     the tensors that moved, instead of letting the graph read stale memory."""
-    debug_cudagraph_addresses: bool = False
-    """Check on EVERY replay (also GRAPHRUNNER_DEBUG_CUDAGRAPH=1)."""
+    debug_cudagraph_addresses: bool = Field(
+        default_factory=env_default("GRAPHRUNNER_DEBUG_CUDAGRAPH", "CompilationConfig.debug_cudagraph_addresses",
+                                    False),
+        description="check at every graph replay that each captured tensor is still at its address "
+                    "[GRAPHRUNNER_DEBUG_CUDAGRAPH]")
+    step_graph: bool = Field(
+        default_factory=env_default("GRAPHRUNNER_STEP_GRAPH", "CompilationConfig.step_graph", True),
+        description="replay a PIECEWISE graph as one CUDA graph with the attention as kernel nodes; off: "
+                    "segment by segment from Python [GRAPHRUNNER_STEP_GRAPH]")
+    compile_threads: int | None = Field(
+        default_factory=env_default("GRAPHRUNNER_COMPILE_THREADS", "CompilationConfig.compile_threads", None, int),
+        ge=0, description="threads that compile the start-up's Triton kernels ahead of their first launch; "
+                          "None: one per CPU up to 16; 0: each compiles at its first launch "
+                          "[GRAPHRUNNER_COMPILE_THREADS]")
 
     @field_validator("cudagraph_mode", mode="before")
     @classmethod
@@ -103,6 +127,10 @@ class ParallelConfig(_Config):
     pipeline_layer_split: list[int] | None = Field(
         None, description="layers per pipeline rank; default an even split")
     distributed_init_timeout_s: float = Field(120.0, gt=0)
+    pp_step_timeout_s: float = Field(
+        default_factory=env_default("GRAPHRUNNER_PP_STEP_TIMEOUT_S", "ParallelConfig.pp_step_timeout_s", 300.0),
+        ge=0, description="seconds rank 0 waits for one step's reply from live pipeline workers; 0: no limit "
+                          "[GRAPHRUNNER_PP_STEP_TIMEOUT_S]")
 
 
 class EngineConfig(_Config):
@@ -111,6 +139,7 @@ class EngineConfig(_Config):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     compilation: CompilationConfig = Field(default_factory=CompilationConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    kernel: KernelConfig = Field(default_factory=KernelConfig)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = Field(0, ge=0)
 
@@ -144,18 +173,30 @@ class EngineConfig(_Config):
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
-        """Route flat `LLM(...)` keyword arguments to the sub-config that owns each."""
+        """Route flat `LLM(...)` keyword arguments to the sub-config that owns each; `<name>_config`
+        (`kernel_config`, `compilation_config`, `cache_config`, `scheduler_config`, `parallel_config`)
+        passes a whole sub-config, as a dict of its fields or the config itself."""
         owners = {"model_config": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                  "compilation": CompilationConfig, "parallel": ParallelConfig}
+                  "compilation": CompilationConfig, "parallel": ParallelConfig, "kernel": KernelConfig}
         parts: dict[str, dict[str, Any]] = {name: {} for name in owners}
         top: dict[str, Any] = {}
         for key, value in kwargs.items():
             if key in ("device", "seed"):
                 top[key] = value
                 continue
+            whole = key[: -len("_config")] if key.endswith("_config") else None
+            if whole in owners and whole != "model_config":
+                if isinstance(value, owners[whole]):
+                    value = value.model_dump(exclude_unset=True)
+                if not isinstance(value, dict):
+                    raise TypeError(f"{key} must be a dict of {owners[whole].__name__} fields or a "
+                                    f"{owners[whole].__name__}, got {type(value).__name__}")
+                parts[whole].update(value)
+                continue
             owner = next((name for name, sub in owners.items() if key in sub.model_fields), None)
             if owner is None:
-                known = sorted({f for sub in owners.values() for f in sub.model_fields} | {"device", "seed"})
+                known = sorted({f for sub in owners.values() for f in sub.model_fields} | {"device", "seed"}
+                               | {f"{name}_config" for name in owners if name != "model_config"})
                 raise TypeError(f"unknown engine option {key!r}; known options: {', '.join(known)}")
             parts[owner][key] = value
         return cls(**{name: sub(**parts[name]) for name, sub in owners.items()}, **top)

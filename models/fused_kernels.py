@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.kernels.compile_ahead import launch
-from attention.kernels.pdl import pdl_options, wait_for_producers
+from launch.compile_ahead import launch
+from launch.pdl import pdl_options, wait_for_producers
 
 
 @triton.jit

@@ -2,10 +2,10 @@
 
 Each block has a torch `reference` (CPU, and the definition of correct) and, on CUDA, one
 fused Triton kernel (models/fused_kernels.py): fewer launches per layer is what a small
-model's graph replay is bound by. GRAPHRUNNER_FUSED_OPS=0 turns the kernels off (benchmarks
+model's graph replay is bound by. KernelConfig.fused_ops=False turns the kernels off (benchmarks
 measure before/after in one run). For one decode row, DecoderLayer goes further through
 models/small_batch_kernels.py (`small_batch`: the norms fused into the projections that follow
-them, where that is measured to win); GRAPHRUNNER_SMALL_BATCH_KERNELS=0 turns only that off.
+them, where that is measured to win); KernelConfig.small_batch_kernels=False turns only that off.
 
 On a CPU the reference paths are what runs, so they keep HF's rounding points (token-exact
 greedy parity) with as few passes and temporaries as that allows, and fp32 linears of small
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import weakref
 
 import torch
@@ -23,14 +22,17 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from configs.kernel_config import active_kernel_config
 from models import cpu_kernels
 
 
-@functools.cache
 def _fused_kernels():
-    """The Triton kernels module, or None when Triton is missing or GRAPHRUNNER_FUSED_OPS=0."""
-    if os.environ.get("GRAPHRUNNER_FUSED_OPS", "1") == "0":
-        return None
+    """The Triton kernels module, or None when Triton is missing or KernelConfig.fused_ops is off."""
+    return _import_fused_kernels() if active_kernel_config().fused_ops else None
+
+
+@functools.cache
+def _import_fused_kernels():
     try:
         from models import fused_kernels
     except ImportError:
@@ -51,12 +53,16 @@ docs/PERFORMANCE.md): at 1 row the fused kernels beat cuBLAS + the separate norm
 small_batch_kernels.ONE_ROW_TILES (`graphrunner bench gemv_configs`) the one-row GEMV also beats
 cuBLAS on large weights, so every projection of a one-row step takes it."""
 
-@functools.cache
 def _small_batch_kernels():
-    """models/small_batch_kernels.py, or None when fused ops are off (GRAPHRUNNER_FUSED_OPS=0) or
-    GRAPHRUNNER_SMALL_BATCH_KERNELS=0 (only this path off). Read once; cache_clear() re-reads."""
-    if os.environ.get("GRAPHRUNNER_SMALL_BATCH_KERNELS", "1") == "0" or _fused_kernels() is None:
+    """models/small_batch_kernels.py, or None when fused ops are off (KernelConfig.fused_ops) or
+    KernelConfig.small_batch_kernels is (only this path off)."""
+    if not active_kernel_config().small_batch_kernels or _fused_kernels() is None:
         return None
+    return _import_small_batch_kernels()
+
+
+@functools.cache
+def _import_small_batch_kernels():
     try:
         from models import small_batch_kernels
     except ImportError:
@@ -102,13 +108,19 @@ class PerWeight:
         return value
 
 
-@functools.cache
 def _packing_enabled() -> bool:
-    """MKL's packed sgemm (torch.ops.mkl._mkl_linear) is there, and GRAPHRUNNER_CPU_PACKED_LINEAR
-    is not 0. A pack costs about the weight's size in memory again, once per weight."""
-    if os.environ.get("GRAPHRUNNER_CPU_PACKED_LINEAR", "1") == "0":
-        return False
+    """MKL's packed sgemm (torch.ops.mkl._mkl_linear) is there and passed its check, and
+    KernelConfig.cpu_packed_linear is on. A pack costs about the weight's size in memory again, once per weight."""
+    return active_kernel_config().cpu_packed_linear and not _packing_failed and _packing_available()
+
+
+@functools.cache
+def _packing_available() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+_packing_failed = False
+"""Set when a pack fails its check: packing stays off for the process."""
 
 
 def _build_pack(weight: torch.Tensor):
@@ -128,9 +140,9 @@ def _build_pack(weight: torch.Tensor):
     except RuntimeError as error:
         ok, pack = False, error
     if not ok:
+        global _packing_failed
         logger.warning("MKL packed linear disabled: %s", pack if isinstance(pack, Exception) else "check failed")
-        _packing_enabled.cache_clear()
-        os.environ["GRAPHRUNNER_CPU_PACKED_LINEAR"] = "0"
+        _packing_failed = True
         return None
     return pack
 
@@ -168,10 +180,9 @@ sum|h_i w_ij| <= ||h|| ||w_j|| (Cauchy-Schwarz). 2^-6 = 0.0156 leaves a 30% marg
 first use checks the bound on random rows (`_bf16_screen`)."""
 
 
-@functools.cache
 def _screening_enabled() -> bool:
-    """GRAPHRUNNER_CPU_SCREENED_ARGMAX=0 turns `screened_argmax` off (the full fp32 LM head runs)."""
-    return os.environ.get("GRAPHRUNNER_CPU_SCREENED_ARGMAX", "1") != "0"
+    """KernelConfig.cpu_screened_argmax=False turns `screened_argmax` off (the full fp32 LM head runs)."""
+    return active_kernel_config().cpu_screened_argmax
 
 
 def _build_screen(weight: torch.Tensor):

@@ -45,9 +45,9 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.kernels.compile_ahead import launch
-from attention.kernels.fast_launch import FastLaunch, num_sms
-from attention.kernels.pdl import pdl_options, use_pdl, wait_for_producers
+from launch.compile_ahead import launch
+from launch.fast_launch import FastLaunch, num_sms
+from launch.pdl import pdl_options, use_pdl, wait_for_producers
 
 MAX_ROWS = 32
 """Most rows the kernels take (BLOCK_M = 32 then; the accumulator and the x tile grow with it).

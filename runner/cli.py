@@ -44,6 +44,25 @@ def _read_prompts(parser: argparse.ArgumentParser, path: str) -> list[str]:
     return prompts
 
 
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options any command that builds an engine takes: whole sub-configs as JSON (vLLM's
+    `--compilation-config` form), so every switch of configs/ is reachable without new flags."""
+    parser.add_argument("--kernel-config", type=json.loads, metavar="JSON",
+                        help='KernelConfig fields (configs/kernel_config.py), e.g. \'{"pdl": false}\'')
+    parser.add_argument("--compilation-config", type=json.loads, metavar="JSON",
+                        help='CompilationConfig fields, e.g. \'{"step_graph": false, "compile_threads": 0}\'')
+    parser.add_argument("--download-dir", help="where model 'default' builds its checkpoint (ModelConfig.download_dir)")
+
+
+def config_options(args: argparse.Namespace) -> dict:
+    """The `LLM(...)` keyword arguments of `add_config_arguments`' options that were given."""
+    options = {}
+    for name in ("kernel_config", "compilation_config", "download_dir"):
+        if getattr(args, name, None) is not None:
+            options[name] = getattr(args, name)
+    return options
+
+
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from pydantic import ValidationError
 
@@ -61,6 +80,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         options["max_model_len"] = args.max_model_len
     if args.pipeline_parallel_size > 1:
         options["pipeline_parallel_size"] = args.pipeline_parallel_size
+    options.update(config_options(args))
     try:  # invalid option values are usage errors (exit 2), named by their field
         EngineConfig.from_kwargs(model=args.model, **options)
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
@@ -136,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--check-finite-weights", action=argparse.BooleanOptionalAction, default=True,
                      help="fail at load when a weight is NaN or Inf")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    add_config_arguments(gen)
     gen.set_defaults(func=_generate)
     bench = sub.add_parser("bench", help="run a benchmark of runner/benchmarks/ (raw results go to --out DIR)",
                            description="graphrunner bench NAME [ARGS...]: run the benchmark NAME with its own "

@@ -38,11 +38,11 @@ class _Tracked:
     """...and characters of text."""
 
 
-def resolve_model_path(model: str) -> str:
-    """'default' is the embedded SmolLM2, built on first use."""
+def resolve_model_path(model: str, download_dir: str | None = None) -> str:
+    """'default' is the embedded SmolLM2, built on first use in `download_dir` (ModelConfig.download_dir)."""
     if model == "default":
         from models.embedded import ensure_smollm2
-        return str(ensure_smollm2())
+        return str(ensure_smollm2(home=download_dir))
     return model
 
 
@@ -81,7 +81,7 @@ def eos_token_ids(path: str, spec, tokenizer) -> set[int]:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        path = resolve_model_path(config.model.model)
+        path = resolve_model_path(config.model.model, config.model.download_dir)
         self.model_path = path
         hf_config = load_hf_config(path)
         self.spec = model_spec(hf_config)

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.kernels.fast_launch import FastLaunch, num_sms
-from attention.kernels.pdl import use_pdl, wait_for_producers
+from launch.fast_launch import FastLaunch, num_sms
+from launch.pdl import use_pdl, wait_for_producers
 
 BLOCK = 1024
 """Logits a program reads per loop step (8 per thread at 4 warps: one 16-byte load in bf16)."""

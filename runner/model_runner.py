@@ -17,9 +17,9 @@ from typing import ClassVar, Iterator
 import torch
 
 from attention.backends import get_attention_backend
-from attention.kernels.compile_ahead import compile_ahead, compile_threads, queuing_launches
+from launch.compile_ahead import compile_ahead, compile_threads, queuing_launches
 from attention.forward_context import ForwardContext, get_forward_context, set_forward_context
-from configs import CUDAGraphMode, EngineConfig, SamplingParams
+from configs import CUDAGraphMode, EngineConfig, SamplingParams, set_active_kernel_config
 from models.hf_config import ModelSpec
 from models.layers import screened_argmax
 from models.llama import IntermediateTensors
@@ -71,6 +71,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, spec: ModelSpec, model_path: str, device: torch.device,
                  dtype: torch.dtype, max_model_len: int, layer_range: range | None = None) -> None:
         self.config, self.spec, self.model_path = config, spec, model_path
+        set_active_kernel_config(config.kernel)   # before anything below picks a kernel
         self.device, self.dtype, self.max_model_len = device, dtype, max_model_len
         self.layer_range = layer_range if layer_range is not None else range(spec.num_layers)
         self.block_size = config.cache.block_size
@@ -79,7 +80,7 @@ class ModelRunner:
         backend_name = config.model.attention_backend
         if backend_name == "auto":
             backend_name = "triton" if device.type == "cuda" else "torch"
-        self.attn_backend = get_attention_backend(backend_name)
+        self.attn_backend = get_attention_backend(backend_name, config.kernel)
         self.cudagraph_mode = resolve_cudagraph_mode(config.compilation.cudagraph_mode,
                                                      self.attn_backend.cudagraph_support, device.type)
         sizes = config.compilation.cudagraph_capture_sizes or default_capture_sizes(
@@ -133,7 +134,8 @@ class ModelRunner:
         self.piecewise = self.full = None
         if self.cudagraph_mode.has_piecewise():
             forward = self.piecewise = CUDAGraphWrapper(forward, CUDAGraphMode.PIECEWISE, pool,
-                                                        self.capture_phase, check, self.graph_factory)
+                                                        self.capture_phase, check, self.graph_factory,
+                                                        step_graph=self.config.compilation.step_graph)
         if self.cudagraph_mode.has_full():
             forward = self.full = CUDAGraphWrapper(forward, CUDAGraphMode.FULL, pool, self.capture_phase, check,
                                                    self.graph_factory)
@@ -211,15 +213,15 @@ class ModelRunner:
     @contextmanager
     def kernels_compiled_ahead(self) -> Iterator[None]:
         """Start-up inside this block compiles its Triton kernels on compiler threads
-        (attention/kernels/compile_ahead.py) instead of one at a time at their first launch.
+        (launch/compile_ahead.py) instead of one at a time at their first launch.
         Entering queues the compile of every variant the profile run and the graph captures will
         launch: their inert batches run once through the model itself (no graph wrapper), the
         profile batch without a KV cache, each capture key in its runtime mode (so FULL's split-KV
         attention and the decode head pick the variants the capture will) against a one-block
         scratch KV cache of the real cache's layout. The compiles then run while the block does
         its work: a launch of a kernel still compiling waits for that one. Leaving waits for the
-        rest. A plain block on a CPU, with graphs off, or with GRAPHRUNNER_COMPILE_THREADS=0."""
-        threads = compile_threads()
+        rest. A plain block on a CPU, with graphs off, or with CompilationConfig.compile_threads=0."""
+        threads = compile_threads(self.config.compilation.compile_threads)
         if self.cudagraph_mode == CUDAGraphMode.NONE or self.device.type != "cuda" or threads < 1:
             yield
             return

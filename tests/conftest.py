@@ -13,3 +13,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _restore_kernel_config():
+    """Every test leaves the process-wide kernel config (configs/kernel_config.py) as it found it: an
+    engine built in a test puts its own config in force."""
+    from configs import kernel_config
+    previous = kernel_config.active_kernel_config()
+    yield
+    kernel_config.set_active_kernel_config(previous)
+
+
+@pytest.fixture
+def kernel_switches():
+    """`kernel_switches(pdl=False, ...)`: those KernelConfig fields in force for the rest of the test
+    (the previous config comes back after it, `_restore_kernel_config`)."""
+    from configs import kernel_config
+
+    def switch(**changes):
+        kernel_config.set_active_kernel_config(
+            kernel_config.KernelConfig(**{**kernel_config.active_kernel_config().model_dump(), **changes}))
+
+    return switch

@@ -10,8 +10,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from runner.cudagraph.addresses import (AddressMismatchError, AddressRecorder, check_addresses,
-                                        debug_addresses_enabled, tensor_addresses)
+from runner.cudagraph.addresses import AddressMismatchError, AddressRecorder, check_addresses, tensor_addresses
 
 
 def t(n: int = 4) -> torch.Tensor:
@@ -250,19 +249,6 @@ def test_recorder_missing_and_added_paths():
 def test_recorder_check_before_record():
     with pytest.raises(RuntimeError, match="before record"):
         AddressRecorder().check(args=())
-
-
-@pytest.mark.parametrize("value,flag,expected", [
-    (None, False, False), (None, True, True), ("1", False, True), ("true", False, True),
-    ("TRUE", False, True), ("0", False, False), ("false", False, False), ("", False, False),
-    ("0", True, True),
-])
-def test_env_switch(monkeypatch, value, flag, expected):
-    if value is None:
-        monkeypatch.delenv("GRAPHRUNNER_DEBUG_CUDAGRAPH", raising=False)
-    else:
-        monkeypatch.setenv("GRAPHRUNNER_DEBUG_CUDAGRAPH", value)
-    assert debug_addresses_enabled(flag) is expected
 
 
 def test_realistic_structure_completes():

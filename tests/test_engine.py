@@ -59,16 +59,16 @@ def test_greedy_tokens_match_hf(tiny, options):
     {"num_kv_blocks": 12, "max_model_len": 128},                 # preemption: blocks reused
 ], ids=["default", "small-budget", "preemption"])
 def test_both_cpu_decode_attention_paths_give_hfs_tokens(tiny, options, native, monkeypatch):
-    """Decode steps take the C attention over the paged cache (models/cpu_kernels.py) where it is
-    built, or SDPA over the dense K/V copy; mixed and prefill steps always the latter. Either way,
+    """Decode steps take the C attention over the paged cache (attention/backends/cpu_decode_attention.py)
+    where it is built, or SDPA over the dense K/V copy; mixed and prefill steps always the latter. Either way,
     across chunked prefill and preemption, the tokens are HF's."""
-    from models import cpu_kernels
-    if native and not cpu_kernels.native_attention():
+    from attention.backends import cpu_decode_attention as c_attention
+    if native and not c_attention.native_attention():
         pytest.skip("the C decode attention is not built here (no compiler or no AVX-512)")
     path, prompts, expected = tiny
-    real, calls = cpu_kernels.decode_attention, []
-    monkeypatch.setattr(cpu_kernels, "native_attention", lambda: native)
-    monkeypatch.setattr(cpu_kernels, "decode_attention", lambda *args: calls.append(1) or real(*args))
+    real, calls = c_attention.decode_attention, []
+    monkeypatch.setattr(c_attention, "native_attention", lambda: native)
+    monkeypatch.setattr(c_attention, "decode_attention", lambda *args: calls.append(1) or real(*args))
     llm = LLM(model=str(path), dtype="float32", device="cpu", **options)
     assert _tokens(llm, prompts) == expected
     assert bool(calls) == native

@@ -161,7 +161,7 @@ def test_kv_required_model_survives_warm_up(tiny, monkeypatch):
                 raise AssertionError("captured without a KV cache")
             super().forward(layer, query, key, value, out, kv_cache, metadata)
 
-    monkeypatch.setattr(model_runner_module, "get_attention_backend", lambda name: KVRequired())
+    monkeypatch.setattr(model_runner_module, "get_attention_backend", lambda name, kernel=None: KVRequired())
     path, prompts, _, expected, _ = tiny
     llm = _llm(path, "FULL_AND_PIECEWISE")
     assert llm.engine.model_runner.cuda_graph_ready

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from attention.kernels import fast_launch
-from attention.kernels.fast_launch import FastLaunch
+from launch import fast_launch
+from launch.fast_launch import FastLaunch
 
 
 class FakeCompiledKernel:
@@ -99,9 +99,9 @@ def test_launch_pdl_reaches_triton_only_when_set():
                                                    {"num_warps": 4, "num_stages": 1}]
 
 
-def test_disabled_by_the_switch_and_for_non_jit_functions(monkeypatch):
+def test_disabled_by_the_switch_and_for_non_jit_functions(monkeypatch, kernel_switches):
     fn, launch = _fake()
-    monkeypatch.setattr(fast_launch, "ENABLED", False)   # GRAPHRUNNER_FAST_LAUNCH=0 at import
+    kernel_switches(fast_launch=False)   # KernelConfig.fast_launch (GRAPHRUNNER_FAST_LAUNCH=0)
     for _ in range(2):
         launch((1,), torch.zeros(4), 32, 5, 0.5, 7)
     assert len(fn.slow_calls) == 2 and launch.fast_launches == 0

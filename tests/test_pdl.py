@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (attention/kernels/pdl.py): when kernels launch with it, and that
+"""Programmatic dependent launch (launch/pdl.py): when kernels launch with it, and that
 every kernel that may be launched with it waits before touching what earlier kernels write.
 
 The real overlap is a GPU matter (tests/test_triton_gpu.py compares PDL on and off bit for bit,
@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from attention.kernels import pdl
+from launch import pdl
 from attention.kernels import unified_attention as ua
 from models import fused_kernels as fk
 from models import small_batch_kernels as sbk
@@ -31,8 +31,8 @@ def test_cpu_never_uses_pdl():
 
 @pytest.mark.parametrize("capability, enabled, expected", [((9, 0), True, True), ((10, 0), True, True),
                                                            ((8, 9), True, False), ((9, 0), False, False)])
-def test_hopper_or_newer_and_not_switched_off(monkeypatch, capability, enabled, expected):
-    monkeypatch.setattr(pdl, "ENABLED", enabled)
+def test_hopper_or_newer_and_not_switched_off(monkeypatch, capability, enabled, expected, kernel_switches):
+    kernel_switches(pdl=enabled)
     monkeypatch.setattr(pdl, "_capability", lambda index: capability)
     assert pdl.use_pdl(torch.device("cuda", 0)) is expected
 
@@ -105,7 +105,7 @@ def _decode_chain(k: int, inter: int, vocab: int, dtype: torch.dtype):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("k, inter", [(576, 1536), (2048, 8192)], ids=["smollm2", "llama-3.2-1b"])
-def test_pdl_chain_in_a_cuda_graph_equals_the_chain_without_pdl(monkeypatch, k, inter):
+def test_pdl_chain_in_a_cuda_graph_equals_the_chain_without_pdl(monkeypatch, k, inter, kernel_switches):
     """The same kernels with and without PDL compute bit for bit the same; captured with PDL (the
     graph gets programmatic edges) and replayed many times with new inputs, every replay still
     equals the PDL-free eager chain: a kernel that read its input before the wait would see the
@@ -116,11 +116,11 @@ def test_pdl_chain_in_a_cuda_graph_equals_the_chain_without_pdl(monkeypatch, k, 
     x, res, step = _decode_chain(k, inter, 49152, dtype)
 
     def reference():
-        monkeypatch.setattr(pdl, "ENABLED", False)
+        kernel_switches(pdl=False)
         try:
             return [t.clone() for t in step()]
         finally:
-            monkeypatch.setattr(pdl, "ENABLED", True)
+            kernel_switches(pdl=True)
 
     for want, got in zip(reference(), step()):   # eager, PDL on
         assert torch.equal(want, got)

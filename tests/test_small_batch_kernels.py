@@ -400,17 +400,14 @@ def test_cpu_never_takes_the_small_batch_path():
 # --- GPU only -------------------------------------------------------------------------------------
 
 @pytest.mark.cuda
-def test_gate_follows_rows_and_switch(monkeypatch):
+def test_gate_follows_rows_and_switch(kernel_switches):
     x = torch.zeros(layers.SMALL_BATCH_MAX_ROWS, 8, device="cuda")
     assert layers.small_batch(x) is sbk
     assert layers.small_batch(torch.zeros(layers.SMALL_BATCH_MAX_ROWS + 1, 8, device="cuda")) is None
-    monkeypatch.setenv("GRAPHRUNNER_SMALL_BATCH_KERNELS", "0")
-    layers._small_batch_kernels.cache_clear()
-    try:
-        assert layers.small_batch(x) is None
-    finally:
-        monkeypatch.delenv("GRAPHRUNNER_SMALL_BATCH_KERNELS")
-        layers._small_batch_kernels.cache_clear()
+    kernel_switches(small_batch_kernels=False)
+    assert layers.small_batch(x) is None
+    kernel_switches(small_batch_kernels=True, fused_ops=False)
+    assert layers.small_batch(x) is None and layers.fused(x) is None
 
 
 @pytest.mark.cuda

@@ -15,10 +15,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from attention.kernels.driver_launch import kernel_launch
-from models import native_build
-from runner.cudagraph import step_graph
-from runner.cudagraph.breakable import BreakableGraph, BreakRecord
+from launch.driver_launch import kernel_launch
+from launch import native_build
+from runner.cudagraph import breakable, step_graph
+from launch.break_point import StepGraphLink
+from runner.cudagraph.breakable import BreakableGraph, BreakRecord, StepGraphReplay
 from runner.cudagraph.step_graph import StepGraph
 
 SIGNATURE = {"q": "*fp32", "cache": "*bf16", "out": "*fp32", "scale": "fp32", "n": "i32", "BLOCK": "constexpr",
@@ -178,8 +179,18 @@ def test_step_graph_needs_kept_graphs_and_can_be_switched_off(monkeypatch):
     assert graph is not None and list(graph.graphs) == [1, 2, 3]
     assert step_graph.make_step_graph([Segment(1), object(), Segment(3)], [(7, 8, 9), (4, 5, 6)]) is None  # a fake
     assert step_graph.make_step_graph([Segment(1), Segment(0), Segment(3)], [(7, 8, 9), (4, 5, 6)]) is None  # not kept
-    monkeypatch.setattr(step_graph, "ENABLED", False)
-    assert step_graph.make_step_graph([Segment(1), Segment(2), Segment(3)], [(7, 8, 9), (4, 5, 6)]) is None
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_capture_asks_for_a_step_graph_only_when_switched_on(monkeypatch, enabled):
+    """CompilationConfig.step_graph reaches the capture: off, the graph replays from Python."""
+    from tests.test_breakable_capture import FakeGraphForTests
+    asked = []
+    monkeypatch.setattr(breakable, "native_step_graph", lambda segments, breaks: asked.append(1) or "whole")
+    with breakable.BreakableCapture(None, FakeGraphForTests, step_graph=enabled) as capture:
+        pass
+    assert bool(asked) == enabled
+    assert capture.graph.step_graph == ("whole" if enabled else None)
 
 
 class Log:
@@ -190,19 +201,18 @@ class Log:
         graph = SimpleNamespace(replay=lambda: self.events.append(f"seg{i}"))
         return graph
 
-    def replay(self, i, group):
-        def call():
-            self.events.append(f"break{i}")
-        call.step_graph_group, call.patched = group, (i, i, i)
-        return call
+    def record(self, i, group) -> BreakRecord:
+        """Break i, prepared with a replay that logs and a link into `group`'s step graph."""
+        return BreakRecord(op=None, args=(), kwargs={}, replay=lambda: self.events.append(f"break{i}"),
+                           step_graph=StepGraphLink(group, (i, i, i)))
 
 
 def make_graph(log: Log, layers: int, bound, group=None) -> BreakableGraph:
     group = group or SimpleNamespace()
     segments = [log.segment(i) for i in range(layers + 1)]
-    breaks = [BreakRecord(op=None, args=(), kwargs={}, replay=log.replay(i, group)) for i in range(layers)]
-    fake = SimpleNamespace(run=lambda launch, stream: log.events.append(("step graph", launch, stream)))
-    return BreakableGraph(segments, breaks, (fake, lambda: bound()))
+    breaks = [log.record(i, group) for i in range(layers)]
+    fake = SimpleNamespace(run=lambda launch, stream: log.events.append(("step graph", launch, stream)), runs=0)
+    return BreakableGraph(segments, breaks, StepGraphReplay(fake, lambda: bound()))
 
 
 def test_breakable_graph_launches_the_step_graph_when_the_step_offers_its_launch():
@@ -224,14 +234,14 @@ def test_step_graph_is_offered_only_when_every_break_shares_one_group(monkeypatc
     log, group = Log(), SimpleNamespace(step_graph_binder=lambda replays: (lambda: None))
     monkeypatch.setattr(step_graph, "make_step_graph", lambda segments, patched: ("graph of", len(segments), patched))
     segments = [log.segment(i) for i in range(3)]
-    same = [BreakRecord(None, (), {}, log.replay(i, group)) for i in range(2)]
-    built, bind = breakable.native_step_graph(segments, same)
-    assert built == ("graph of", 3, [(0, 0, 0), (1, 1, 1)]) and bind() is None
+    same = [log.record(i, group) for i in range(2)]
+    whole = breakable.native_step_graph(segments, same)
+    assert whole.graph == ("graph of", 3, [(0, 0, 0), (1, 1, 1)]) and whole.bind() is None
     other = SimpleNamespace(step_graph_binder=group.step_graph_binder)
-    assert breakable.native_step_graph(segments, [same[0], BreakRecord(None, (), {}, log.replay(1, other))]) is None
+    assert breakable.native_step_graph(segments, [same[0], log.record(1, other)]) is None
     assert breakable.native_step_graph(segments, [BreakRecord(None, (), {}, None), same[1]]) is None
     refusing = SimpleNamespace(step_graph_binder=lambda replays: None)
-    refused = [BreakRecord(None, (), {}, log.replay(i, refusing)) for i in range(2)]
+    refused = [log.record(i, refusing) for i in range(2)]
     assert breakable.native_step_graph(segments, refused) is None
 
 
@@ -313,10 +323,11 @@ def test_triton_backend_plans_the_step_graphs_launch_only_for_what_was_captured(
     backend = triton_paged.TritonPagedBackend()
     caches = [torch.zeros(2, 3, 4, 2, 8) for _ in range(3)]
     q, out_ = torch.zeros(2, 4, 8), torch.zeros(2, 4, 8)
-    replays = [backend.prepare_replay(SimpleNamespace(scale=0.5, cache_index=i), q, None, None, out_, caches[i])
-               for i in range(3)]
-    assert all(r.step_graph_group is backend for r in replays)
-    assert replays[1].patched == (q.data_ptr(), caches[1].data_ptr(), out_.data_ptr())
+    prepared = [backend.prepare_replay(SimpleNamespace(scale=0.5, cache_index=i), q, None, None, out_, caches[i])
+                for i in range(3)]
+    assert all(p.step_graph.group is backend for p in prepared)
+    assert prepared[1].step_graph.patched == (q.data_ptr(), caches[1].data_ptr(), out_.data_ptr())
+    replays = [p.replay for p in prepared]
     bind = backend.step_graph_binder(replays)
 
     def metadata():
@@ -335,7 +346,7 @@ def test_triton_backend_plans_the_step_graphs_launch_only_for_what_was_captured(
     with set_forward_context(ForwardContext(metadata(), caches, backend, CUDAGraphMode.FULL)):
         assert bind() is None
     assert len(planned) == 2                    # neither of the last two got as far as planning
-    other = backend.prepare_replay(SimpleNamespace(scale=0.25, cache_index=0), q, None, None, out_, caches[0])
+    other = backend.prepare_replay(SimpleNamespace(scale=0.25, cache_index=0), q, None, None, out_, caches[0]).replay
     assert backend.step_graph_binder([replays[0], other]) is None   # layers with different launches
 
 

@@ -165,8 +165,8 @@ def test_cuda_graph_replays_new_metadata(num_tokens, num_reqs):
 
 
 @pytest.mark.parametrize("num_splits", [1, 8])
-def test_fast_launch_matches_triton_launch(num_splits, monkeypatch):
-    """attention/kernels/fast_launch.py: relaunching the compiled kernel directly gives the same bits
+def test_fast_launch_matches_triton_launch(num_splits, monkeypatch, kernel_switches):
+    """launch/fast_launch.py: relaunching the compiled kernel directly gives the same bits
     as Triton's own launch path, on the current stream, and a new specialisation (a misaligned
     query view) compiles/launches through Triton again instead of reusing the wrong kernel."""
     from attention.kernels import unified_attention as ua
@@ -181,10 +181,10 @@ def test_fast_launch_matches_triton_launch(num_splits, monkeypatch):
         torch.cuda.synchronize()
         return batch.out.clone()
 
-    from attention.kernels import fast_launch
-    monkeypatch.setattr(fast_launch, "ENABLED", False)
+    from launch import fast_launch
+    kernel_switches(fast_launch=False)
     expected = attend()
-    monkeypatch.setattr(fast_launch, "ENABLED", True)
+    kernel_switches(fast_launch=True)
     attend()                                          # records the compiled kernel for this key
     before = ua._attention_launch.fast_launches
     stream = torch.cuda.Stream()
@@ -209,7 +209,7 @@ def test_fast_launch_matches_triton_launch(num_splits, monkeypatch):
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
 
 
-def test_in_kernel_split_merge_is_race_free_under_repetition(monkeypatch):
+def test_in_kernel_split_merge_is_race_free_under_repetition(monkeypatch, kernel_switches):
     """The last-arrival merge (attention/kernels/unified_attention.py, FUSED_MERGE) read against
     the separate merge kernel, 200 launches in a row and inside a replayed graph: a missing
     release/acquire between the split programs would show as a mismatch in some launch. Contexts
@@ -223,10 +223,10 @@ def test_in_kernel_split_merge_is_race_free_under_repetition(monkeypatch):
         unified_attention(batch.query, batch.kv_cache, out, batch.query_start_loc, batch.seq_lens,
                           batch.block_table, batch.scale, num_splits=16)
 
-    monkeypatch.setattr(ua, "FUSED_MERGE", False)
+    kernel_switches(fused_merge=False)
     expected = torch.empty_like(batch.out)
     attend(expected)
-    monkeypatch.setattr(ua, "FUSED_MERGE", True)
+    kernel_switches(fused_merge=True)
     outs = [torch.full_like(batch.out, float("nan")) for _ in range(200)]
     for out in outs:
         attend(out)

@@ -114,19 +114,19 @@ def test_mixed_batch_with_padding_in_one_launch(num_splits):
 
 
 @pytest.fixture(autouse=True)
-def _split_every_tile(monkeypatch):
+def _split_every_tile(monkeypatch, kernel_switches):
     """These tests' contexts are a few KV tiles long: let a split take a single tile (the default
-    MIN_SPLIT_TILES would leave them one active split, and the merges untested)."""
+    min_split_tiles would leave them one active split, and the merges untested)."""
     from attention.kernels import unified_attention as ua
-    monkeypatch.setattr(ua, "MIN_SPLIT_TILES", 1)
+    kernel_switches(min_split_tiles=1)
 
 
 @pytest.mark.parametrize("fused_merge", [True, False])
 @pytest.mark.parametrize("num_splits", [2, 4])
-def test_split_kv_decode_matches_single_pass(num_splits, fused_merge, monkeypatch):
+def test_split_kv_decode_matches_single_pass(num_splits, fused_merge, monkeypatch, kernel_switches):
     """More splits than some requests have KV tiles: empty splits must merge as no-ops."""
     from attention.kernels import unified_attention as ua
-    monkeypatch.setattr(ua, "FUSED_MERGE", fused_merge)
+    kernel_switches(fused_merge=fused_merge)
     b = make_batch([1, 1], [100, 3], num_q_heads=8, num_kv_heads=1, head_dim=16, block_size=32,
                    pad_tokens=1, pad_reqs=1, seed=4)
     split, single = run_attention(b, num_splits=num_splits), run_attention(b, num_splits=1)
@@ -135,7 +135,7 @@ def test_split_kv_decode_matches_single_pass(num_splits, fused_merge, monkeypatc
 
 
 @pytest.mark.parametrize("num_splits", [2, 3, 16])
-def test_in_kernel_split_merge_matches_the_merge_kernel_and_resets_its_tickets(num_splits, monkeypatch):
+def test_in_kernel_split_merge_matches_the_merge_kernel_and_resets_its_tickets(num_splits, kernel_switches):
     """The last active split of each (q block, KV head) merges the partials (no merge launch):
     same result as the separate merge kernel, padded rows zeroed, every arrival ticket back at
     zero for the next launch or graph replay."""
@@ -144,19 +144,18 @@ def test_in_kernel_split_merge_matches_the_merge_kernel_and_resets_its_tickets(n
                    pad_tokens=2, pad_reqs=1, seed=8)
     fused = run_attention(b, num_splits=num_splits)
     assert all(int(t.abs().sum()) == 0 for t in ua._tickets.values())
-    monkeypatch.setattr(ua, "FUSED_MERGE", False)
+    kernel_switches(fused_merge=False)
     separate = run_attention(b, num_splits=num_splits)
     torch.testing.assert_close(fused, separate, atol=1e-6, rtol=1e-6)
     check(b, fused, 1e-5)
 
 
 @pytest.mark.parametrize("fused_merge", [True, False])
-def test_short_contexts_keep_fewer_active_splits(fused_merge, monkeypatch):
-    """With MIN_SPLIT_TILES = 4, a 4-tile context runs as one split (written directly) and a
+def test_short_contexts_keep_fewer_active_splits(fused_merge, monkeypatch, kernel_switches):
+    """With min_split_tiles = 4, a 4-tile context runs as one split (written directly) and a
     10-tile one as 3 splits of 4 tiles, whatever num_splits the launch (or graph) was given."""
     from attention.kernels import unified_attention as ua
-    monkeypatch.setattr(ua, "MIN_SPLIT_TILES", 4)
-    monkeypatch.setattr(ua, "FUSED_MERGE", fused_merge)
+    kernel_switches(min_split_tiles=4, fused_merge=fused_merge)
     tile = ua.launch_config(torch.device(DEVICE))["BLOCK_N"]
     b = make_batch([1, 1, 1], [4 * tile - 1, 10 * tile - 1, 2], num_q_heads=4, num_kv_heads=2, head_dim=16,
                    block_size=16, pad_tokens=1, seed=9)
@@ -449,7 +448,9 @@ def test_piecewise_break_replay_uses_the_key_computed_at_capture(monkeypatch):
     layer = SimpleNamespace(scale=0.5, cache_index=0)
     q, out, cache = torch.zeros(2, 4, 8), torch.zeros(2, 4, 8), torch.zeros(2, 3, 4, 2, 8)
     assert backend.prepare_replay(layer, q, q, q, out, cache) is None
-    replay = backend.prepare_replay(layer, q, None, None, out, cache)
+    prepared = backend.prepare_replay(layer, q, None, None, out, cache)
+    replay = prepared.replay
+    assert prepared.step_graph.group is backend
 
     def metadata():
         return SimpleNamespace(query_start_loc=None, seq_lens=None, block_table=None, max_seq_len=9)

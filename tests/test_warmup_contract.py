@@ -53,7 +53,7 @@ class KVRequiredBackend(TorchSDPABackend):
 def runner_factory(tmp_path, monkeypatch):
     path, _ = make_tiny_checkpoint(tmp_path / "c", "llama_gqa", with_tokenizer=False)
     spec = model_spec(load_hf_config(path))
-    monkeypatch.setattr(model_runner_module, "get_attention_backend", lambda name: KVRequiredBackend())
+    monkeypatch.setattr(model_runner_module, "get_attention_backend", lambda name, kernel=None: KVRequiredBackend())
 
     def make(mode: str) -> ModelRunner:
         monkeypatch.setattr(model_runner_module, "resolve_cudagraph_mode", lambda requested, support, device: requested)

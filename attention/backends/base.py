@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 import torch
 
 from attention.metadata import CommonAttentionMetadata
+from launch.break_point import PreparedBreak
 
 
 class AttentionCGSupport(enum.Enum):
@@ -47,3 +48,9 @@ class AttentionBackend(abc.ABC):
         write key/value at metadata.slot_mapping (-1 skips; key/value None: already written, see
         `kv_written_by_layer`), then attend over the cache.
         Without one (profile run): causal attention within each request's new tokens."""
+
+    def prepare_replay(self, layer: Any, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+                       out: torch.Tensor, kv_cache: torch.Tensor) -> PreparedBreak | None:
+        """A PIECEWISE break's replay of `forward` on these recorded tensors, faster than the generic call
+        (launch/break_point.py: what it may offer, a step graph included), or None: the generic call."""
+        return None

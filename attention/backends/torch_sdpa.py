@@ -10,11 +10,12 @@ skips the query gather and the output scatter, and folds each KV head's group of
 into the query-length dimension ([R, Hkv, group, D] against [R, Hkv, kv_len, D]): one small
 attention per KV head instead of one per query head.
 
-On a CPU with the C kernels (models/cpu_kernels.py: AVX-512, a C compiler), a pure decode step skips
-all of this: each layer's KV write and attention are one C call that reads the paged cache through
-the block table (`cpu_kernels.decode_attention`, 16 positions at a time, requests in parallel on
-torch's OpenMP threads): the mask, the dense copy's upkeep and SDPA's padded read are gone (the
-engine-vs-HF figure this serves: `graphrunner bench cpu`, docs/PERFORMANCE.md).
+On a CPU with the C kernel (cpu_decode_attention.py beside this file: AVX-512, a C compiler), a pure
+decode step skips all of this: each layer's KV write and attention are one C call that reads the
+paged cache through the block table (`cpu_decode_attention.decode_attention`, 16 positions at a
+time, requests in parallel on torch's OpenMP threads): the mask, the dense copy's upkeep and SDPA's
+padded read are gone (the engine-vs-HF figure this serves: `graphrunner bench cpu`,
+docs/PERFORMANCE.md).
 
 Otherwise (prefill and mixed steps, or no C kernels), keys and values are also kept in a dense
 per-layer copy ([request row, position], `_DenseKV`), so a step appends its new tokens there instead
@@ -29,7 +30,6 @@ break point it runs eagerly between graph segments and is fine.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from attention.backends.base import AttentionBackend, AttentionCGSupport
 from attention.metadata import CommonAttentionMetadata
-from models import cpu_kernels
+from attention.backends import cpu_decode_attention
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -73,7 +73,7 @@ class _StepLayout:
     blocks (blocks * block_size) when gathering from the cache."""
     native_decode: bool = False
     """A decode step over a CPU fp32 cache: each layer's attention is one C call reading the paged cache
-    (models/cpu_kernels.decode_attention); no mask, gather indices or dense copy are built."""
+    (attention/backends/cpu_decode_attention.decode_attention); no mask, gather indices or dense copy are built."""
 
 
 @dataclass
@@ -246,10 +246,6 @@ class _DenseKV:
         return copy[0, :num_reqs, :max_kv], copy[1, :num_reqs, :max_kv]
 
 
-def _dense_enabled() -> bool:
-    return os.environ.get("GRAPHRUNNER_TORCH_DENSE_KV", "1") != "0"
-
-
 def _key_value(key: torch.Tensor, value: torch.Tensor, rows: int, write_rows: torch.Tensor | None) -> torch.Tensor:
     """[2, written, Hkv, D]: this step's keys then values of the rows that write, as a view when
     value directly follows key in the same rows (both split from one qkv projection)."""
@@ -269,8 +265,9 @@ class TorchSDPABackend(AttentionBackend):
     name = "torch"
     cudagraph_support = AttentionCGSupport.NEVER
 
-    def __init__(self) -> None:
-        self.dense_kv = _DenseKV() if _dense_enabled() else None
+    def __init__(self, dense_kv: bool = True) -> None:
+        """`dense_kv`: keep the dense K/V copy (KernelConfig.torch_dense_kv); False: gather from the cache."""
+        self.dense_kv = _DenseKV() if dense_kv else None
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchSDPAMetadata:
         return TorchSDPAMetadata(common)
@@ -281,15 +278,17 @@ class TorchSDPABackend(AttentionBackend):
         layout_key = None if kv_cache is None else (kv_cache.shape[1], kv_cache.shape[2])
         layout = metadata.layouts.get(layout_key)
         if layout is None:
+            native = cpu_decode_attention.native_attention()
             layout = metadata.layouts[layout_key] = _layout(metadata.common, kv_cache, query.device, query.dtype,
-                                                            self.dense_kv, native=cpu_kernels.native_attention())
+                                                            self.dense_kv, native=native)
         actual = layout.actual
         if layout.native_decode:
             common = metadata.common
             if actual < out.shape[0]:
                 out[actual:].zero_()
-            if cpu_kernels.decode_attention(query[:actual], key, value, kv_cache, common.block_table,
-                                            common.seq_lens_cpu, common.slot_mapping, layer.scale, out[:actual]):
+            if cpu_decode_attention.decode_attention(query[:actual], key, value, kv_cache, common.block_table,
+                                                     common.seq_lens_cpu, common.slot_mapping, layer.scale,
+                                                     out[:actual]):
                 return
             # This layer's tensors do not fit the kernel: the torch path, for the rest of the step too.
             layout = metadata.layouts[layout_key] = _layout(metadata.common, kv_cache, query.device, query.dtype,

@@ -10,7 +10,7 @@ shapes too.
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar, Sequence
 
 import torch
 
@@ -21,6 +21,7 @@ from attention.backends.torch_sdpa import TorchSDPABackend
 from attention.kernels.unified_attention import StepAttention, interned_layer_key, unified_attention
 from attention.metadata import CommonAttentionMetadata
 from configs.graph_mode import CUDAGraphMode
+from launch.break_point import PreparedBreak, StepBinder, StepGraphLink, StepLaunch
 
 
 _PROFILE_BACKEND = TorchSDPABackend()
@@ -56,30 +57,35 @@ class TritonPagedBackend(AttentionBackend):
         self._step_attention(metadata)(query, kv_cache, out, layer.scale)
 
     def prepare_replay(self, layer: Any, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
-                       out: torch.Tensor, kv_cache: torch.Tensor) -> "_BreakReplay | None":
+                       out: torch.Tensor, kv_cache: torch.Tensor) -> PreparedBreak | None:
         """A PIECEWISE break's replay (`attention.layer._prepare_attention_replay`): the recorded q
         and out never change, so their `layer_key` and the three addresses are computed here,
         once; each replay then only looks up the step's StepAttention. Generic (None) when the
-        layer leaves the KV write to the backend (key given)."""
+        layer leaves the KV write to the backend (key given). Each joins a step graph of this backend's
+        breaks (`step_graph_binder`), patched with its q, KV cache and out addresses."""
         if key is not None:
             return None
-        return _BreakReplay(self, layer, query, out, kv_cache)
+        replay = _BreakReplay(self, layer, query, out, kv_cache)
+        return PreparedBreak(replay, StepGraphLink(self, replay.patched))
 
-    def step_graph_binder(self, replays: list["_BreakReplay"]) -> Callable[[], tuple | None] | None:
+    def step_graph_binder(self, replays: Sequence[Any]) -> StepBinder | None:
         """For the PIECEWISE step graph (runner/cudagraph/step_graph.py): given one graph's break
         replays (all this backend's), a per-step `bind()` that plans the step's attention launch on
         the first break's recorded tensors WITHOUT launching it (the step graph launches every layer)
         and returns it in driver form with its stream, or None (then the step replays from Python):
         a FULL context, another KV cache than captured, no compiled kernel for the step's launch
         yet, a launch that needs a second kernel or has no driver form. None when the breaks' layer
-        keys differ (no step could then share one launch)."""
+        keys differ (no step could then share one launch). `replays`: the `_BreakReplay`s this backend's
+        `prepare_replay` made."""
+        if not all(isinstance(r, _BreakReplay) and r.backend is self for r in replays):
+            return None
         key = replays[0].key
         if any(r.key is not key for r in replays):
             return None
         caches = [(r.index, r.kv_cache) for r in replays]
         first = replays[0]
 
-        def bind() -> tuple | None:
+        def bind() -> StepLaunch | None:
             context = get_forward_context()
             if context.runtime_mode == CUDAGraphMode.FULL:
                 return None
@@ -105,11 +111,10 @@ class TritonPagedBackend(AttentionBackend):
 
 
 class _BreakReplay:
-    """One PIECEWISE attention break's replay (see `TritonPagedBackend.prepare_replay`). `step_graph_group`
-    and `patched` (its q, KV cache and out addresses) let a BreakableGraph replay as one step graph
-    (`TritonPagedBackend.step_graph_binder`)."""
+    """One PIECEWISE attention break's replay (see `TritonPagedBackend.prepare_replay`); `patched`: its q,
+    KV cache and out addresses."""
 
-    __slots__ = ("backend", "layer", "query", "out", "kv_cache", "index", "scale", "key", "patched", "step_graph_group")
+    __slots__ = ("backend", "layer", "query", "out", "kv_cache", "index", "scale", "key", "patched")
 
     def __init__(self, backend: TritonPagedBackend, layer: Any, query: torch.Tensor, out: torch.Tensor,
                  kv_cache: torch.Tensor) -> None:
@@ -117,7 +122,6 @@ class _BreakReplay:
         self.index, self.scale = layer.cache_index, layer.scale
         self.key = interned_layer_key(query, kv_cache, out, self.scale)
         self.patched = (query.data_ptr(), kv_cache.data_ptr(), out.data_ptr())
-        self.step_graph_group = backend
 
     def __call__(self) -> None:
         context = get_forward_context()

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.kernels.compile_ahead import launch
+from launch.compile_ahead import launch
 
 
 @triton.jit

@@ -18,7 +18,8 @@ Layout of the work (the vLLM design):
   KV tiles its q block needs, at least MIN_SPLIT_TILES of them (a short context may keep fewer
   "active" splits). One active split writes `out` itself. Otherwise each active split writes
   (max, sum, unnormalised acc) to scratch, and the last of them to finish, counted by an atomic
-  ticket, merges them in the same launch (FUSED_MERGE; the separate merge kernel otherwise). This
+  ticket, merges them in the same launch (FUSED_MERGE, KernelConfig.fused_merge; the separate merge kernel
+  otherwise). This
   buys parallelism for small batches with long contexts without a second launch per layer.
 Scores are kept in the log2 domain (scale * log2(e) folded in) so the softmax uses exp2.
 DOT_FP32 (CPU only) upcasts the dot operands: Triton's interpreter multiplies bf16 tensors as their
@@ -28,16 +29,16 @@ raw 16-bit patterns (numpy has no bf16), so interpreted bf16 dots are wrong with
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from attention.kernels.driver_launch import KernelLaunch, kernel_launch
-from attention.kernels.fast_launch import FastLaunch, num_sms
-from attention.kernels.pdl import use_pdl, wait_for_producers
+from configs.kernel_config import active_kernel_config
+from launch.driver_launch import KernelLaunch, kernel_launch
+from launch.fast_launch import FastLaunch, num_sms
+from launch.pdl import use_pdl, wait_for_producers
 
 LOG2E = 1.4426950408889634
 
@@ -247,16 +248,18 @@ JIT-compile dozens of variants on a cold Triton cache."""
 EAGER_TILES_PER_SPLIT = 4
 """An eager call splits only contexts of at least this many KV tiles per split: below that the
 merge launch costs more host time (PIECEWISE runs it eagerly) than the split saves on the GPU."""
-MIN_SPLIT_TILES = int(os.environ.get("GRAPHRUNNER_MIN_SPLIT_TILES", "1"))
-"""KV tiles a split takes at least, inside the kernel: a context shorter than num_splits times this
-keeps fewer active splits; the splits past them exit at once (no stores, no ticket). 1 is the
-fastest on an H100 (`GRAPHRUNNER_MIN_SPLIT_TILES=N graphrunner bench decode --modes FULL --batch-sizes 1
---no-hf`, N = 1, 2, 4: FULL bs1 Llama-3.2-1B 1.219 / 1.238 / 1.233 ms, Llama-3-8B 5.957 / 6.040 / 6.014
-ms): with ~3-tile contexts, parallel one-tile splits plus a merge beat one program walking the
-context. Read at each call (the tests set it)."""
-FUSED_MERGE = os.environ.get("GRAPHRUNNER_FUSED_MERGE", "1") != "0"
-"""Merge split-KV partials inside the attention kernel (the last active split merges); 0 = the
-separate merge kernel launch."""
+
+
+def min_split_tiles() -> int:
+    """KV tiles a split takes at least, inside the kernel (KernelConfig.min_split_tiles, read at each
+    call): a context shorter than num_splits times this keeps fewer active splits; the splits past
+    them exit at once (no stores, no ticket). 1 is the fastest on an H100 (`graphrunner bench decode
+    --modes FULL --batch-sizes 1 --no-hf` with `--kernel-config '{"min_split_tiles": N}'`, N = 1, 2, 4:
+    FULL bs1 Llama-3.2-1B 1.219 / 1.238 / 1.233 ms, Llama-3-8B 5.957 / 6.040 / 6.014 ms): with ~3-tile
+    contexts, parallel one-tile splits plus a merge beat one program walking the context."""
+    return active_kernel_config().min_split_tiles
+
+
 MERGE_TICKETS = 1 << 16
 """Arrival counters for the in-kernel merge, one per (q block, KV head) program column: 64K int32
 (256 KiB) per device covers every capture size; a launch that needs more takes the merge kernel."""
@@ -265,7 +268,7 @@ _tickets: dict[torch.device, torch.Tensor] = {}
 
 def _merge_tickets(device: torch.device, needed: int) -> torch.Tensor | None:
     """The device's ticket counters (zero between launches: the last arrival resets its own), or
-    None for the separate merge kernel: FUSED_MERGE off, too many programs, or no buffer yet while
+    None for the separate merge kernel: KernelConfig.fused_merge off, too many programs, or no buffer yet while
     a CUDA graph is being captured (one made there would live in the graph's pool). Made at the
     first call outside a capture; the engine's warm-up runs eagerly before any capture."""
     tickets = _tickets.get(device)
@@ -273,7 +276,7 @@ def _merge_tickets(device: torch.device, needed: int) -> torch.Tensor | None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
         tickets = _tickets[device] = torch.zeros(MERGE_TICKETS, dtype=torch.int32, device=device)
-    return tickets if FUSED_MERGE and needed <= MERGE_TICKETS else None
+    return tickets if needed <= MERGE_TICKETS and active_kernel_config().fused_merge else None
 SPLIT_ROWS = 512
 """At most this many (token row x split) pairs: splits pay off for decode-like steps, where few
 programs would otherwise each stream a long context; big batches have parallelism already, and
@@ -405,7 +408,8 @@ def _plan(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, query_
             q_stride[0], q_stride[1], out_stride[0], out_stride[1],
             cache_stride[0], cache_stride[1], cache_stride[2], cache_stride[3], table_stride[0],
             c["GROUP"], c["HEAD_DIM"], d_pad, c["BLOCK_SIZE"], c["BLOCK_M"], c["BLOCK_Q"], c["BLOCK_N"],
-            c["REQ_CHUNK"], num_splits > 1, c["DOT_FP32"], fused_merge, MIN_SPLIT_TILES, MAX_SPLITS, c["PDL"])
+            c["REQ_CHUNK"], num_splits > 1, c["DOT_FP32"], fused_merge, min_split_tiles(), MAX_SPLITS,
+            c["PDL"])
     options = dict(device_index=device_index, num_warps=c["num_warps"], num_stages=c["num_stages"],
                    launch_pdl=c["PDL"])
     merge = None
@@ -522,7 +526,7 @@ class StepAttention:
         """The bound launch in driver form with this step's grid and arguments, and its stream, for
         layers whose `layer_key` is `key` (the PIECEWISE step graph's attention nodes,
         runner/cudagraph/step_graph.py), or None: nothing bound, another key, or a launch without
-        a driver form (attention/kernels/driver_launch.py). Worked out once per step."""
+        a driver form (launch/driver_launch.py). Worked out once per step."""
         if self._kernel is None or not (key is self._key or key == self._key):
             return None
         if self._native is None:

@@ -6,8 +6,8 @@ PIECEWISE replays a graph segment per layer and launches attention eagerly betwe
 its step time on a small model is bound by host microseconds per layer, not by the GPU. This
 measures, for the SmolLM2-135M decode shape at batch 1 and 32 (9 query / 3 KV heads, head_dim 64,
 context 160):
-- `unified_attention` per call, through Triton's `JITFunction.run` (GRAPHRUNNER_FAST_LAUNCH=0)
-  and through attention/kernels/fast_launch.py;
+- `unified_attention` per call, through Triton's `JITFunction.run` (KernelConfig.fast_launch=False)
+  and through launch/fast_launch.py;
 - `torch.cuda.CUDAGraph.replay()` of a one-kernel graph.
 Host time = perf_counter over `--calls` back-to-back calls (no sync inside; the GPU work per call
 is a few microseconds, so the launch queue never fills), median of 5 repeats, microseconds per call.
@@ -82,15 +82,14 @@ def run(argv: list[str] | None = None) -> dict:
     if not torch.cuda.is_available():
         print("graphrunner bench launch: no CUDA device, nothing to measure")
         return {}
-    from attention.kernels import fast_launch
+    from configs import using_kernel_config
     rows = {}
     for batch_size in (1, 32):
         call = attention_case(batch_size)
         for fast in ("0", "1"):
-            fast_launch.ENABLED = fast == "1"
-            name = f"unified_attention bs{batch_size} ({'fast launch' if fast == '1' else 'JITFunction.run'})"
-            rows[name] = host_us(call, args.calls)
-    fast_launch.ENABLED = True
+            with using_kernel_config(fast_launch=fast == "1"):
+                name = f"unified_attention bs{batch_size} ({'fast launch' if fast == '1' else 'JITFunction.run'})"
+                rows[name] = host_us(call, args.calls)
     rows["CUDAGraph.replay (1 kernel)"] = host_us(graph_replay_case(), args.calls)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("| host work | us per call |\n|---|---:|")

@@ -1,11 +1,10 @@
 """CUDA graphs: mode resolution, dispatch (keys, padding), breakable PIECEWISE capture,
 the FULL/PIECEWISE wrappers, the capture phase and the address check."""
 
-from runner.cudagraph.addresses import (AddressCheck, AddressMismatchError, AddressRecorder, check_addresses,
-                                        debug_addresses_enabled, tensor_addresses)
+from runner.cudagraph.addresses import AddressCheck, AddressMismatchError, AddressRecorder, check_addresses, tensor_addresses
+from launch.break_point import active_capture, break_point
 from runner.cudagraph.breakable import (CUDA_GRAPHS, BreakableCapture, BreakableGraph, BreakRecord,
-                                        CudaGraphFactory, GraphLike, active_capture, break_point,
-                                        prime_capture_stream)
+                                        CudaGraphFactory, GraphLike, prime_capture_stream)
 from runner.cudagraph.capture import (CapturePhase, CaptureSummary, capture_all, graph_pool,
                                       measure_graph_memory)
 from runner.cudagraph.dispatcher import BatchDescriptor, CudagraphDispatcher, default_capture_sizes
@@ -16,6 +15,6 @@ __all__ = [
     "AddressCheck", "AddressMismatchError", "AddressRecorder", "BatchDescriptor", "BreakRecord", "BreakableCapture",
     "BreakableGraph", "CUDAGraphWrapper", "CUDA_GRAPHS", "CaptureSummary", "CapturePhase", "CudaGraphFactory",
     "CudagraphDispatcher", "GraphLike", "active_capture", "break_point", "capture_all", "check_addresses",
-    "debug_addresses_enabled", "default_capture_sizes", "graph_pool", "measure_graph_memory",
+    "default_capture_sizes", "graph_pool", "measure_graph_memory",
     "prime_capture_stream", "resolve_cudagraph_mode", "tensor_addresses",
 ]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import os
 import types
 from collections.abc import Mapping
 
@@ -171,18 +170,13 @@ class AddressCheck(enum.Enum):
     @classmethod
     def of(cls, value: "AddressCheck | bool") -> "AddressCheck":
         """An AddressCheck as given, or a bool meaning the debug flag: True checks every replay,
-        False none; GRAPHRUNNER_DEBUG_CUDAGRAPH=1 turns any value into EVERY_REPLAY."""
+        False none. (GRAPHRUNNER_DEBUG_CUDAGRAPH=1 sets CompilationConfig.debug_cudagraph_addresses'
+        default, where the config is built.)"""
         if isinstance(value, bool):
             value = cls.EVERY_REPLAY if value else cls.OFF
-        return cls.EVERY_REPLAY if debug_addresses_enabled(False) else value
+        return value
 
     @classmethod
     def from_config(cls, check: bool, debug: bool) -> "AddressCheck":
         """CompilationConfig's check_cudagraph_addresses / debug_cudagraph_addresses."""
         return cls.of(cls.EVERY_REPLAY if debug else cls.FIRST_REPLAY if check else cls.OFF)
-
-
-def debug_addresses_enabled(config_flag: bool) -> bool:
-    """The config flag, or GRAPHRUNNER_DEBUG_CUDAGRAPH=1/true to switch it on without editing configs."""
-    env = os.environ.get("GRAPHRUNNER_DEBUG_CUDAGRAPH", "").strip().lower()
-    return bool(config_flag) or env in ("1", "true")

@@ -1,6 +1,6 @@
 """Breakable stream capture: PIECEWISE graphs without torch.compile.
 
-One capture drives the whole forward. Ops decorated with `@break_point` (attention) end
+One capture drives the whole forward. Ops decorated with `@break_point` (launch/break_point.py; attention) end
 the current graph segment, run eagerly on the capture stream, are recorded, and a new
 segment starts in the same memory pool. `BreakableGraph.replay()` then runs segment 0,
 break op 0, segment 1, ... in order; the break ops run eagerly, so they read the forward
@@ -15,13 +15,14 @@ rejected at capture. Its tensor arguments must be activations produced inside th
 context, never passed in. Capture runs break ops on not-yet-computed inputs: the capture
 batch must be inert (slot_mapping -1), which the runner's dummy batches are.
 
-A break op may offer `op.prepare_replay(*args, **kwargs)`: called once at capture with the
-recorded inputs, it returns a zero-argument replay of the op on them (which still reads the
-forward context current at replay), or None for the generic call. Why: a PIECEWISE step of a
-30-layer model replays 30 break ops from Python, and work that depends only on the recorded
-inputs (checking their shapes, strides, alignment) need not be redone every step.
+A break point may offer `prepare_replay(*args, **kwargs)` (launch/break_point.py: `BreakPoint`):
+called once at capture with the recorded inputs, it returns a `PreparedBreak`, a zero-argument replay
+of the op on them (which still reads the forward context current at replay), or None for the generic
+call. Why: a PIECEWISE step of a 30-layer model replays 30 break ops from Python, and work that depends
+only on the recorded inputs (checking their shapes, strides, alignment) need not be redone every step.
 
-A graph whose prepared replays all offer it (`native_step_graph`: the Triton attention backend's do) is
+A graph whose prepared breaks all offer it (a `StepGraphLink`, one group for all: the Triton attention
+backend's do; `native_step_graph`) is
 replayed as ONE CUDA graph (runner/cudagraph/step_graph.py): its segments as child graphs and its
 attention as kernel nodes, re-parameterised from the step's own launch plan when it differs from the
 last step's. A step that cannot take it (its launch has no compiled kernel yet, needs a second
@@ -34,7 +35,6 @@ The graph primitive is a factory (`CUDA_GRAPHS` by default) so CPU tests can inj
 from __future__ import annotations
 
 import functools
-import threading
 import types
 import warnings
 from contextlib import contextmanager
@@ -43,6 +43,8 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
+from launch.break_point import BreakPoint, StepBinder, StepGraphLink, begin_capture, end_capture
+from launch.driver_launch import KernelLaunch
 from runner.cudagraph import step_graph
 
 
@@ -139,22 +141,34 @@ def _replay_of(segment: GraphLike) -> Callable[[], None]:
     return types.MethodType(native, segment)
 
 
-def native_step_graph(segments: list[GraphLike], breaks: list["BreakRecord"]) -> tuple | None:
-    """(StepGraph, bind) for a graph whose break replays all offer the step graph, else None.
+class StepGraphRunner(Protocol):
+    """What replays a whole BreakableGraph as one launch (runner/cudagraph/step_graph.StepGraph)."""
 
-    The protocol: each prepared replay has `step_graph_group` (one object for all breaks of the graph)
-    and `patched` (the addresses that differ per break); `step_graph_group.step_graph_binder(replays)` returns
-    the per-step `bind()` -> (KernelLaunch, stream) of the step's attention, planned without being
-    launched, or None (see attention/backends/triton_paged.py)."""
-    replays = [r.replay for r in breaks]
-    group = getattr(replays[0], "step_graph_group", None) if replays else None
-    if group is None or any(getattr(r, "step_graph_group", None) is not group for r in replays):
+    runs: int
+
+    def run(self, launch: KernelLaunch, stream: int) -> None: ...
+
+
+@dataclass
+class StepGraphReplay:
+    """A BreakableGraph as one CUDA graph: `graph` launches it given the step's attention launch, which
+    `bind()` plans each step (None: that step replays from Python)."""
+    graph: StepGraphRunner
+    bind: StepBinder
+
+
+def native_step_graph(segments: list[GraphLike], breaks: list["BreakRecord"]) -> StepGraphReplay | None:
+    """The step graph of a graph whose breaks all carry a StepGraphLink of one group that offers a
+    binder (launch/break_point.py has the protocol; attention/backends/triton_paged.py implements it),
+    else None."""
+    links = [r.step_graph for r in breaks]
+    if not links or links[0] is None or any(link is None or link.group is not links[0].group for link in links):
         return None
-    bind = group.step_graph_binder(replays)
+    bind = links[0].group.step_graph_binder([r.replay for r in breaks])
     if bind is None:
         return None
-    graph = step_graph.make_step_graph(segments, [r.patched for r in replays])
-    return None if graph is None else (graph, bind)
+    graph = step_graph.make_step_graph(segments, [link.patched for link in links])
+    return None if graph is None else StepGraphReplay(graph, bind)
 
 
 @dataclass(frozen=True)
@@ -164,16 +178,18 @@ class BreakRecord:
     kwargs: dict
     replay: Callable[[], Any] | None = None
     """The op's own replay of these inputs (`prepare_replay`), or None: `op(*args, **kwargs)`."""
+    step_graph: StepGraphLink | None = None
+    """How this break joins a step graph (from its PreparedBreak), or None: it cannot."""
 
 
 class BreakableGraph:
     """Captured segments and the break ops between them: len(segments) == len(breaks) + 1.
 
-    `step_graph`: (StepGraph, bind), the whole graph as one CUDA graph (runner/cudagraph/step_graph.py)
-    and its per-step binder, when the breaks allow it (`native_step_graph`); else None and every
-    replay runs from Python."""
+    `step_graph`: the whole graph as one CUDA graph (runner/cudagraph/step_graph.py) and its per-step
+    binder, when the breaks allow it (`native_step_graph`); else None and every replay runs from Python."""
 
-    def __init__(self, segments: list[GraphLike], breaks: list[BreakRecord], step_graph: tuple | None = None) -> None:
+    def __init__(self, segments: list[GraphLike], breaks: list[BreakRecord],
+                 step_graph: StepGraphReplay | None = None) -> None:
         if len(segments) != len(breaks) + 1:
             raise ValueError(f"{len(segments)} segments for {len(breaks)} breaks")
         self.segments, self.breaks = segments, breaks
@@ -182,11 +198,11 @@ class BreakableGraph:
         self.step_graph = step_graph
 
     def replay(self) -> None:
-        if self.step_graph is not None:
-            graph, bind = self.step_graph
-            bound = bind()                    # this step's attention launch, planned, not launched
+        whole = self.step_graph
+        if whole is not None:
+            bound = whole.bind()              # this step's attention launch, planned, not launched
             if bound is not None:
-                graph.run(*bound)             # the whole forward: one graph launch
+                whole.graph.run(*bound)       # the whole forward: one graph launch
                 return
         for replay, call in zip(self._replays, self._calls):
             replay()
@@ -198,17 +214,17 @@ class BreakableGraph:
         return [(r.args, r.kwargs) for r in self.breaks]
 
 
-_state = threading.local()
-
-
 class BreakableCapture:
     """Context manager: capture everything run inside it as a `BreakableGraph` (`.graph`).
 
     Only one per thread at a time (graphs cannot nest). Break points act only inside one, so
     a FULL capture (no BreakableCapture) records attention like any other op."""
 
-    def __init__(self, pool: Any, graph_factory: Callable[[], GraphLike] = CUDA_GRAPHS) -> None:
-        self.pool, self.graph_factory = pool, graph_factory
+    def __init__(self, pool: Any, graph_factory: Callable[[], GraphLike] = CUDA_GRAPHS,
+                 step_graph: bool = True) -> None:
+        """`step_graph`: offer the captured graph a step graph (`native_step_graph`); False: every replay
+        runs from Python (CompilationConfig.step_graph)."""
+        self.pool, self.graph_factory, self.step_graph = pool, graph_factory, step_graph
         self._segments: list[GraphLike] = []
         self._breaks: list[BreakRecord] = []
         self._open: GraphLike | None = None
@@ -225,18 +241,16 @@ class BreakableCapture:
         _end_capture(graph)
 
     def __enter__(self) -> "BreakableCapture":
-        if getattr(_state, "capture", None) is not None:
-            raise RuntimeError("a BreakableCapture is already active on this thread; captures cannot nest")
-        _state.capture = self
+        begin_capture(self)
         try:
             self._begin_segment()
         except BaseException:
-            _state.capture = None
+            end_capture()
             raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        _state.capture = None
+        end_capture()
         if self._open is None:  # failed inside a break op: no segment is open
             return
         try:
@@ -246,10 +260,12 @@ class BreakableCapture:
                 raise  # otherwise the original error is the one worth seeing
             return
         if exc_type is None:
-            self.graph = BreakableGraph(self._segments, self._breaks, native_step_graph(self._segments, self._breaks))
+            whole = native_step_graph(self._segments, self._breaks) if self.step_graph else None
+            self.graph = BreakableGraph(self._segments, self._breaks, whole)
 
-    def run_break(self, op: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """End the segment, run `op` eagerly, check it wrote into `out`, record it, resume."""
+    def run_break(self, point: BreakPoint, args: tuple, kwargs: dict) -> Any:
+        """End the segment, run the point's op eagerly, check it wrote into `out`, record it, resume."""
+        op = point.op
         name = getattr(op, "__qualname__", repr(op))
         out = kwargs.get("out")
         if out is None and args and isinstance(args[-1], torch.Tensor):
@@ -264,25 +280,8 @@ class BreakableCapture:
             raise RuntimeError(f"break op {name} returned {what}; write into the caller-provided "
                                f"out buffer and return None (or out)")
         args, kwargs = _alias(args), {k: _alias(v) for k, v in kwargs.items()}
-        prepare = getattr(op, "prepare_replay", None)
-        self._breaks.append(BreakRecord(op, args, kwargs, prepare(*args, **kwargs) if prepare is not None else None))
+        prepared = point.prepare_replay(*args, **kwargs) if point.prepare_replay is not None else None
+        self._breaks.append(BreakRecord(op, args, kwargs, prepared.replay if prepared else None,
+                                        prepared.step_graph if prepared else None))
         self._begin_segment()
         return result
-
-
-def active_capture() -> BreakableCapture | None:
-    return getattr(_state, "capture", None)
-
-
-def break_point(op: Callable[..., Any]) -> Callable[..., Any]:
-    """Make `op` a PIECEWISE break point; outside a BreakableCapture it is just `op`."""
-
-    @functools.wraps(op)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        capture = getattr(_state, "capture", None)
-        if capture is None:
-            return op(*args, **kwargs)
-        return capture.run_break(op, args, kwargs)
-
-    wrapper.__wrapped_op__ = op
-    return wrapper

@@ -17,7 +17,7 @@ metadata and still handles any batch composition: its launch is planned from thi
 context (unified_attention.StepAttention), as an eager launch would be.
 
 Pieces:
-- the step's attention launch in driver form comes from attention/kernels/driver_launch.py;
+- the step's attention launch in driver form comes from launch/driver_launch.py;
 - `library()`: a small C file compiled once with the system C compiler against the `cuda.h` that
   ships with Triton (as Triton builds its own launchers), cached by source hash, loaded with
   ctypes; None (logged once, with why) where there is no CUDA driver, compiler or header;
@@ -26,25 +26,23 @@ Pieces:
 
 What this skips of `torch.cuda.CUDAGraph.replay`: the per-replay RNG prologue (model segments draw
 no random numbers; sampling runs outside the graphs). The kernel nodes carry no PDL attribute (the
-kernel's wait is then a no-op). GRAPHRUNNER_STEP_GRAPH=0 (read at import) keeps every replay in Python.
+kernel's wait is then a no-op). CompilationConfig.step_graph=False keeps every replay in Python (the
+capture then never asks for a step graph, runner/cudagraph/breakable.py).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import subprocess
 import weakref
 from pathlib import Path
 from typing import Any, Sequence
 
-from attention.kernels.driver_launch import PATCHED_ARGS, KernelLaunch
+from launch import native_build
+from launch.driver_launch import PATCHED_ARGS, KernelLaunch
 
 logger = logging.getLogger(__name__)
-
-ENABLED = os.environ.get("GRAPHRUNNER_STEP_GRAPH", "1") != "0"
-"""Read once at import; tests and benchmarks that switch it at run time set this attribute."""
 
 _SOURCE = r"""
 #include <dlfcn.h>
@@ -161,8 +159,7 @@ def cuda_header_dir() -> Path | None:
 
 def build_library(include: Path, cc: str, out_dir: Path | None = None) -> Path:
     """Compile the step-graph functions into a shared library (once per source and header: cached by their hash)."""
-    from models.native_build import compile_shared  # here: models/ imports this package while it initialises
-    return compile_shared("step_graph", _SOURCE, cc, ["-O2", "-I", str(include)], libs=("-ldl",),
+    return native_build.compile_shared("step_graph", _SOURCE, cc, ["-O2", "-I", str(include)], libs=("-ldl",),
                           key=(include / "cuda.h").read_bytes(), out_dir=out_dir)
 
 
@@ -176,8 +173,7 @@ def library() -> Any | None:
     if _library_tried:
         return _library
     _library_tried = True
-    from models.native_build import compiler
-    include, cc = cuda_header_dir(), compiler()
+    include, cc = cuda_header_dir(), native_build.compiler()
     if include is None or cc is None:
         logger.info("PIECEWISE replays stay in Python: %s", "no cuda.h from Triton" if include is None else "no C compiler")
         return None
@@ -269,9 +265,9 @@ class StepGraph:
 
 def make_step_graph(segments: Sequence[Any], patched: Sequence[Sequence[int]]) -> StepGraph | None:
     """A StepGraph over `segments` and the attention launches between them (`patched`: each
-    break's q, KV cache and out addresses), or None where it cannot run (disabled, a segment not
+    break's q, KV cache and out addresses), or None where it cannot run (a segment not
     kept as a graph, no library)."""
-    if not ENABLED or len(segments) < 2:
+    if len(segments) < 2:
         return None
     graphs = [kept_graph(segment) for segment in segments]
     if any(g is None for g in graphs):

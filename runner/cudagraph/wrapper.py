@@ -30,7 +30,8 @@ import torch
 from attention.forward_context import get_forward_context
 from configs.graph_mode import CUDAGraphMode
 from runner.cudagraph.addresses import AddressCheck, AddressRecorder
-from runner.cudagraph.breakable import CUDA_GRAPHS, BreakableCapture, GraphLike, _alias, _end_capture, capture_stream
+from runner.cudagraph.breakable import (CUDA_GRAPHS, BreakableCapture, BreakableGraph, GraphLike, _alias, _end_capture,
+                                        capture_stream)
 from runner.cudagraph.capture import CapturePhase
 from runner.cudagraph.dispatcher import BatchDescriptor
 
@@ -93,12 +94,16 @@ class CUDAGraphWrapper:
 
     def __init__(self, runnable: Callable[..., Any], runtime_mode: CUDAGraphMode, pool: Any,
                  capture_phase: CapturePhase, address_check: AddressCheck | bool = AddressCheck.FIRST_REPLAY,
-                 graph_factory: Callable[[], GraphLike] = CUDA_GRAPHS) -> None:
+                 graph_factory: Callable[[], GraphLike] = CUDA_GRAPHS, step_graph: bool = True) -> None:
+        """`address_check`: AddressCheck.from_config(CompilationConfig's check_cudagraph_addresses,
+        debug_cudagraph_addresses); `step_graph`: CompilationConfig.step_graph (PIECEWISE graphs may
+        replay as one step graph, runner/cudagraph/step_graph.py)."""
         if runtime_mode not in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE):
             raise ValueError(f"a graph wrapper runs FULL or PIECEWISE graphs, not {runtime_mode.name}")
         self.runnable, self.runtime_mode, self.pool = runnable, runtime_mode, pool
         self.capture_phase, self.graph_factory = capture_phase, graph_factory
         self.address_check = AddressCheck.of(address_check)
+        self.step_graph = step_graph
         self.address_record_seconds = 0.0
         """Time spent recording addresses at capture."""
         self.first_replay_check_seconds = 0.0
@@ -120,7 +125,8 @@ class CUDAGraphWrapper:
     @property
     def step_graph_runs(self) -> int:
         """PIECEWISE replays launched as one step graph (runner/cudagraph/step_graph.py)."""
-        return sum(e.graph.step_graph[0].runs for e in self._entries.values() if getattr(e.graph, "step_graph", None))
+        return sum(e.graph.step_graph.graph.runs for e in self._entries.values()
+                   if isinstance(e.graph, BreakableGraph) and e.graph.step_graph is not None)
 
     def captured_descriptors(self) -> list[BatchDescriptor]:
         return list(self._entries)
@@ -186,7 +192,7 @@ class CUDAGraphWrapper:
                 graph, output = self._capture_full(output, args, kwargs)
             else:
                 del warm
-                with BreakableCapture(self.pool, self.graph_factory) as capture:
+                with BreakableCapture(self.pool, self.graph_factory, self.step_graph) as capture:
                     output = _map_tensors(_alias, self.runnable(*args, **kwargs))
                 graph = capture.graph
         recorder = None

@@ -41,8 +41,6 @@ from runner.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-STEP_TIMEOUT_ENV = "GRAPHRUNNER_PP_STEP_TIMEOUT_S"
-"""Seconds rank 0 waits for one step's reply from live workers (default 300; 0 = no limit)."""
 JOIN_TIMEOUT_S = 10.0
 """How long shutdown waits for workers to exit after "stop" before it terminates them."""
 FAILURE_GRACE_S = 5.0
@@ -64,11 +62,6 @@ def torchrun_env() -> tuple[int, int, int] | None:
         return None
     rank = int(env["RANK"])
     return rank, world_size, int(env.get("LOCAL_RANK", rank))
-
-
-def _step_timeout_s() -> float | None:
-    value = float(os.environ.get(STEP_TIMEOUT_ENV, "300"))
-    return value if value > 0 else None
 
 
 def _describe_exit(code: int | None) -> str:
@@ -236,7 +229,8 @@ class PipelineExecutor:
             torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")
-        self.device, self.step_timeout_s = device, _step_timeout_s()
+        timeout = config.parallel.pp_step_timeout_s   # seconds rank 0 waits for one step's reply; 0: no limit
+        self.device, self.step_timeout_s = device, (timeout if timeout > 0 else None)
         self.model_runner = None
         self.num_blocks = 0
         self._state = _State()
@@ -333,7 +327,7 @@ class PipelineExecutor:
         event = state.workers.next_event(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if event is None:
             raise PipelineWorkerError(f"pipeline step timed out: no reply from rank {last} within "
-                                      f"{self.step_timeout_s:.0f} s ({STEP_TIMEOUT_ENV})")
+                                      f"{self.step_timeout_s:.0f} s (ParallelConfig.pp_step_timeout_s)")
         if event[1] == OUTPUT and event[0] == last:
             return event[2]
         raise state.workers.diagnose()

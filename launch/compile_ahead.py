@@ -27,7 +27,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from attention.kernels.specialisation import SPECIALISED, param_kinds, specialisation
+from launch.specialisation import SPECIALISED, param_kinds, specialisation
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +64,9 @@ def launch_key(fn: Any, args: tuple, options: dict) -> tuple:
     return (fn, tuple(specialisation(args, kinds)), tuple(sorted(options.items())))
 
 
-def compile_threads() -> int:
-    """Compiler threads: GRAPHRUNNER_COMPILE_THREADS, else one per CPU up to 16 (0 turns
-    compiling ahead off; the kernels then compile at their first launch, one at a time)."""
-    configured = os.environ.get("GRAPHRUNNER_COMPILE_THREADS")
+def compile_threads(configured: int | None) -> int:
+    """Compiler threads: `configured` (CompilationConfig.compile_threads), else (None) one per CPU up to
+    16. 0 turns compiling ahead off: the kernels then compile at their first launch, one at a time."""
     if configured is not None:
         return max(0, int(configured))
     return min(16, os.cpu_count() or 1)

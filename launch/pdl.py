@@ -22,24 +22,23 @@ The contract every kernel launched with `launch_pdl=True` keeps (`wait_for_produ
   chain of waits orders every kernel after all earlier ones.
 A kernel launched without the attribute (torch's, cuBLAS's) waits for full completion as usual.
 The PDL flag is a constexpr: with it off (older GPUs, Triton's interpreter on a CPU, or
-GRAPHRUNNER_PDL=0) the kernels compile exactly as before.
+KernelConfig.pdl=False) the kernels compile exactly as before.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import triton
 import triton.language as tl
+
+from configs.kernel_config import active_kernel_config
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # a Triton without grid dependency control: never launch with PDL
     gdc_launch_dependents = gdc_wait = None
 
-ENABLED = os.environ.get("GRAPHRUNNER_PDL", "1") != "0" and gdc_wait is not None
-"""Read once at import; benchmarks and tests that compare on/off set this attribute."""
 
 
 @functools.cache
@@ -50,8 +49,9 @@ def _capability(device_index: int) -> tuple[int, int]:
 
 def use_pdl(device) -> bool:
     """Whether kernels on `device` (a torch.device) launch with PDL: CUDA, compute capability 9.0
-    or newer (griddepcontrol is sm_90+ PTX), and not switched off."""
-    if not ENABLED or device.type != "cuda":
+    or newer (griddepcontrol is sm_90+ PTX), a Triton with grid dependency control, and not switched
+    off (KernelConfig.pdl)."""
+    if device.type != "cuda" or gdc_wait is None or not active_kernel_config().pdl:
         return False
     import torch
     return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)

@@ -19,23 +19,18 @@ integer fits in 32 bits), and:
   enter/exit hooks, then every bound argument in order).
 `num_sms(device)` is the SM count the kernels size their grids by (one cached helper for all).
 Launch hooks (profilers such as proton) and Triton's interpreter (CPU tests) take the ordinary
-path every time; GRAPHRUNNER_FAST_LAUNCH=0 (read at import) turns the fast path off. A GPU test checks that both
-paths give identical results.
+path every time; KernelConfig.fast_launch=False (configs/kernel_config.py) turns the fast path off. A GPU
+test checks that both paths give identical results.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any, Callable
 
-from attention.kernels import compile_ahead as _ahead
-from attention.kernels.specialisation import CONSTEXPR, I32_MAX, I32_MIN, SPECIALISED, param_kinds, specialisation
-
-ENABLED = os.environ.get("GRAPHRUNNER_FAST_LAUNCH", "1") != "0"
-"""Read once at import (reading the environment on every launch adds host time to each); tests
-and benchmarks that switch it at run time set this attribute."""
-
+from configs.kernel_config import active_kernel_config
+from launch import compile_ahead as _ahead
+from launch.specialisation import CONSTEXPR, I32_MAX, I32_MIN, SPECIALISED, param_kinds, specialisation
 
 def _key_function(args: tuple, kinds: tuple[int, ...]) -> Callable:
     """Generated `(options, *args) -> key` equal to `FastLaunch.key` for arguments of these types."""
@@ -109,7 +104,7 @@ class FastLaunch:
 
     @property
     def enabled(self) -> bool:
-        return self.kinds is not None and ENABLED
+        return self.kinds is not None and active_kernel_config().fast_launch
 
     def key(self, args: tuple, options: tuple) -> tuple:
         """Everything Triton specialises a compiled kernel on, for these arguments."""
@@ -119,7 +114,8 @@ class FastLaunch:
         """Whether a call with `args` takes Triton's own launch: inside compile_ahead (only queuing
         compiles), an unsupported signature, the fast path switched off, a wrong argument count, or
         launch hooks (profilers) set."""
-        return _ahead._active or self.kinds is None or not ENABLED or len(args) != len(self.kinds) or _launch_hooks_set()
+        return (_ahead._active or self.kinds is None or not active_kernel_config().fast_launch
+                or len(args) != len(self.kinds) or _launch_hooks_set())
 
     def _fast_key(self, args: tuple, options: tuple) -> tuple:
         """`key`, from a function generated for the argument types of the first call (one
@@ -135,7 +131,7 @@ class FastLaunch:
 
     def __call__(self, grid: tuple[int, ...], *args: Any, device_index: int = 0,
                  num_warps: int = 4, num_stages: int = 3, launch_pdl: bool = False) -> Any:
-        """`launch_pdl`: launch with programmatic dependent launch (attention/kernels/pdl.py); a
+        """`launch_pdl`: launch with programmatic dependent launch (launch/pdl.py); a
         compile option, so part of the key (only passed on when set: the interpreter has no such option).
         Returns the CompiledKernel that ran when the fast path applies (for `relaunch`), else None
         (also inside `compile_ahead`, where nothing runs: the compile is only queued)."""

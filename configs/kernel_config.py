@@ -1,0 +1,102 @@
+"""Which kernels run: the switches of the fast paths, each a field whose default an environment variable
+may set (configs/env.py). The defaults are the fast paths; switching one off runs the plain path it
+replaces (for benchmarks that measure before/after, or to rule a kernel out when hunting a bug).
+
+How the kernels get the engine's choice: `active_kernel_config()`, one process-wide KernelConfig that
+the model runner sets from its EngineConfig (`set_active_kernel_config`) before it builds the model.
+Why process-wide and not passed down: the switches are read where a kernel is launched or an op is
+dispatched, deep below anything that holds the config: module-level launchers shared by every layer
+(launch/fast_launch.FastLaunch, the PDL options of every Triton kernel, the attention's split plan),
+per-op dispatch helpers called inside every layer's forward, and compiled C libraries loaded once per
+process. Threading a config through every kernel call would put it in every op's signature (and the
+per-launch host cost is what these paths exist to cut); one process runs one model's kernels at a time,
+and what is compiled or loaded is per process anyway. Code that is handed the EngineConfig (the
+attention backend, the step graph, compile-ahead, the pipeline executor) gets its fields passed instead.
+Without an engine (tests, kernel benchmarks) the active config is a default one, built (env read) on
+first use; tests change it with `using_kernel_config(...)`.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from configs.env import env_default
+
+
+def _field(env: str, name: str, default: Any, description: str, kind: type | None = None, **constraints: Any) -> Any:
+    return Field(default_factory=env_default(env, f"KernelConfig.{name}", default, kind), description=description,
+                 **constraints)
+
+
+class KernelConfig(BaseModel):
+    """The kernels' switches (see the module docstring); environment variable in brackets."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True)
+
+    fused_ops: bool = _field("GRAPHRUNNER_FUSED_OPS", "fused_ops", True,
+                             "CUDA: the fused Triton kernels of the layers (norm, RoPE + KV write, SiLU*mul, "
+                             "the decode head); off: torch's ops [GRAPHRUNNER_FUSED_OPS]")
+    small_batch_kernels: bool = _field("GRAPHRUNNER_SMALL_BATCH_KERNELS", "small_batch_kernels", True,
+                                       "CUDA: one-row decode layers through the norm-fused GEMV kernels "
+                                       "(needs fused_ops) [GRAPHRUNNER_SMALL_BATCH_KERNELS]")
+    fast_launch: bool = _field("GRAPHRUNNER_FAST_LAUNCH", "fast_launch", True,
+                               "CUDA: relaunch compiled Triton kernels without JITFunction.run's per-call work "
+                               "[GRAPHRUNNER_FAST_LAUNCH]")
+    pdl: bool = _field("GRAPHRUNNER_PDL", "pdl", True,
+                       "CUDA (sm_90+): programmatic dependent launch of the decode kernels [GRAPHRUNNER_PDL]")
+    fused_merge: bool = _field("GRAPHRUNNER_FUSED_MERGE", "fused_merge", True,
+                               "CUDA: split-KV attention merges its splits in the same launch; off: a separate "
+                               "merge kernel [GRAPHRUNNER_FUSED_MERGE]")
+    min_split_tiles: int = _field("GRAPHRUNNER_MIN_SPLIT_TILES", "min_split_tiles", 1,
+                                  "CUDA: the fewest KV tiles one split-KV attention program takes "
+                                  "[GRAPHRUNNER_MIN_SPLIT_TILES]", ge=1)
+    cpu_kernels: bool = _field("GRAPHRUNNER_CPU_KERNELS", "cpu_kernels", True,
+                               "CPU: the C kernels of decode steps (norm, RoPE, SiLU*mul, LM-head screen, decode "
+                               "attention), built with the system C compiler [GRAPHRUNNER_CPU_KERNELS]")
+    cpu_packed_linear: bool = _field("GRAPHRUNNER_CPU_PACKED_LINEAR", "cpu_packed_linear", True,
+                                     "CPU: fp32 linears of small batches multiply an MKL-packed weight "
+                                     "[GRAPHRUNNER_CPU_PACKED_LINEAR]")
+    cpu_screened_argmax: bool = _field("GRAPHRUNNER_CPU_SCREENED_ARGMAX", "cpu_screened_argmax", True,
+                                       "CPU: greedy rows screen the vocabulary with a bf16 LM head first "
+                                       "[GRAPHRUNNER_CPU_SCREENED_ARGMAX]")
+    torch_dense_kv: bool = _field("GRAPHRUNNER_TORCH_DENSE_KV", "torch_dense_kv", True,
+                                  "torch attention backend: keep a dense per-layer K/V copy instead of gathering "
+                                  "the paged cache every layer [GRAPHRUNNER_TORCH_DENSE_KV]")
+    cache_dir: str = _field("GRAPHRUNNER_CACHE_DIR", "cache_dir", lambda: str(Path.home() / ".cache" / "graphrunner"),
+                            "where compiled C libraries are kept (in <cache_dir>/native) [GRAPHRUNNER_CACHE_DIR]", str)
+
+
+_active: KernelConfig | None = None
+
+
+def active_kernel_config() -> KernelConfig:
+    """The kernel switches in force in this process (see the module docstring for why process-wide)."""
+    global _active
+    if _active is None:
+        _active = KernelConfig()
+    return _active
+
+
+def set_active_kernel_config(config: KernelConfig) -> None:
+    """Put `config` in force for this process (the model runner does, from its EngineConfig)."""
+    global _active
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"expected a KernelConfig, got {type(config).__name__}")
+    _active = config
+
+
+@contextmanager
+def using_kernel_config(config: KernelConfig | None = None, **changes: Any) -> Iterator[KernelConfig]:
+    """`config` (default: the active one) with `changes`, in force inside the block; the previous one after."""
+    global _active
+    previous = active_kernel_config()
+    current = KernelConfig(**{**(config or previous).model_dump(), **changes})
+    _active = current
+    try:
+        yield current
+    finally:
+        _active = previous
