@@ -138,13 +138,52 @@ def _build_pack(weight: torch.Tensor):
 _weight_pack = PerWeight(_build_pack)
 
 
+class WeightLoadError(ValueError):
+    """A checkpoint tensor is missing, unexpected, or of the wrong shape."""
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+    """Copy a checkpoint tensor stored exactly as the parameter is (no packing, no slicing)."""
+    if shard_id is not None:
+        raise WeightLoadError(f"this parameter is not packed, yet shard {shard_id!r} was given")
+    _copy_checked(param.data, loaded)
+
+
+def _copy_checked(dest: torch.Tensor, loaded: torch.Tensor) -> None:
+    if tuple(loaded.shape) != tuple(dest.shape):
+        raise WeightLoadError(f"expected {tuple(dest.shape)}, found {tuple(loaded.shape)}")
+    dest.copy_(loaded)
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same names); on a CPU, fp32 inputs of at most PACKED_MAX_ROWS
     rows (decode steps) multiply by an MKL-packed copy of the weight, so MKL does not repack the
     weight on every call. Bit-identical to F.linear from 16 rows on at the measured shapes; the
-    same sum in another order (last-bit differences) below that."""
+    same sum in another order (last-bit differences) below that.
+
+    `weight_loader(param, loaded, shard_id)` places a checkpoint tensor into one of its
+    parameters (models/loader.py calls it for every tensor): a plain Linear takes tensors as
+    stored; the packed subclasses below also take one shard at a time. A tensor-parallel layer
+    would narrow `loaded` to its rank's rows or columns here, and nowhere else."""
+
+    shard_ids: tuple = ()
+    """The shard ids a packed layer is loaded from, one checkpoint tensor each (empty: unpacked)."""
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:   # stored as we keep it (unpacked, or already fused as Phi-3's)
+            _copy_checked(param.data, loaded)
+            return
+        start, size = self.shard_rows(shard_id)
+        _copy_checked(param.data.narrow(0, start, size), loaded)
+
+    def shard_rows(self, shard_id) -> tuple[int, int]:
+        """(first output row, row count) of one shard in the packed weight (and bias)."""
+        raise WeightLoadError(f"{type(self).__name__} is not packed, yet shard {shard_id!r} was given")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = small_batch(x) if x.dim() == 2 else None
+        if kernels is not None:   # one row: the one-row GEMV streams the weight faster than cuBLAS
+            return kernels.linear(x, self.weight, self.bias)
         rows = x.shape[0] if x.dim() == 2 else (x.numel() // x.shape[-1] if x.numel() else 0)
         if (x.is_cuda or not 0 < rows <= PACKED_MAX_ROWS or x.dtype != torch.float32
                 or self.weight.dtype != torch.float32 or not _packing_enabled()):
@@ -153,6 +192,35 @@ class Linear(nn.Linear):
         if pack is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkl._mkl_linear(x, pack, self.weight, self.bias, rows)
+
+
+class QKVLinear(Linear):
+    """q, k and v projections packed in one weight [(Hq + 2 Hkv) D, hidden]: one matmul. Loaded
+    from q_proj / k_proj / v_proj (shard ids "q", "k", "v") or from a stored fused qkv_proj."""
+
+    shard_ids = ("q", "k", "v")
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool) -> None:
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        super().__init__(hidden, q_size + 2 * kv_size, bias=bias)
+        self.q_size, self.kv_size = q_size, kv_size
+
+    def shard_rows(self, shard_id) -> tuple[int, int]:
+        q, kv = self.q_size, self.kv_size
+        return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+
+
+class MergedLinear(Linear):
+    """Several projections of one input stacked along the output rows (gate and up: shard ids 0
+    and 1, from gate_proj / up_proj, or from a stored fused gate_up_proj)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool) -> None:
+        super().__init__(in_features, sum(out_sizes), bias=bias)
+        self.out_sizes = tuple(out_sizes)
+        self.shard_ids = tuple(range(len(out_sizes)))
+
+    def shard_rows(self, shard_id) -> tuple[int, int]:
+        return sum(self.out_sizes[:shard_id]), self.out_sizes[shard_id]
 
 
 SCREEN_MIN_ROWS = 16
@@ -250,13 +318,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
+    def kernel_weight(self) -> torch.Tensor:
+        """The weight the kernels multiply by (OffsetRMSNorm: 1 + weight)."""
+        return self.weight
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         kernels = fused(x)
-        if kernels is None:   # a CPU decode step: one C pass (models/cpu_kernels.py) where it applies
-            result = cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        if kernels is None or not self.kernel_rounds_like_reference(x):
+            # a CPU decode step: one C pass (models/cpu_kernels.py) where it applies
+            result = None
+            if self.kernel_rounds_like_reference(x):
+                result = cpu_kernels.add_rms_norm(x, residual, self.kernel_weight(), self.eps)
             return self.reference(x, residual) if result is None else result
         shape = x.shape
-        result = kernels.add_rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps,
+        result = kernels.add_rms_norm(x.reshape(-1, shape[-1]), self.kernel_weight(), self.eps,
                                       None if residual is None else residual.reshape(-1, shape[-1]))
         if residual is None:
             return result.view(shape)
@@ -276,28 +351,106 @@ class RMSNorm(nn.Module):
             out = self.weight * (x32 * scale).to(x.dtype)
         return out if residual is None else (out, residual)
 
+    def kernel_rounds_like_reference(self, x: torch.Tensor) -> bool:
+        """The kernels round the normalised x to the model dtype before the weight multiply, as
+        this reference does: always true here."""
+        return True
 
-def rope_inverse_frequencies(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + weight), all in float32, rounded once
+    at the end. The stored weight is the offset from one (HF keeps it so: zeros mean identity).
+    The kernels multiply by a float32 copy of 1 + weight, made once per weight version; in
+    float32 they are then this reference's roundings exactly, in lower precision they would round
+    once more (before the weight), so those take the reference."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__(size, eps)
+        with torch.no_grad():
+            self.weight.zero_()
+
+    def kernel_weight(self) -> torch.Tensor:
+        return _one_plus(self.weight)
+
+    def kernel_rounds_like_reference(self, x: torch.Tensor) -> bool:
+        return x.dtype == torch.float32
+
+    def reference(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        x32 = x.float()
+        scale = x32.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        out = (x32 * scale * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+_one_plus = PerWeight(lambda weight: 1.0 + weight.detach().float())
+
+
+class ScaledEmbedding(nn.Embedding):
+    """nn.Embedding whose rows are multiplied by `scale` (Gemma: sqrt(hidden), rounded to the model
+    dtype first, as HF does); scale None is the plain lookup."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, scale: float | None = None) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.scale = scale
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = super().forward(input_ids)
+        if self.scale is None:
+            return hidden
+        return hidden * torch.tensor(self.scale, dtype=hidden.dtype)
+
+
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap) (Gemma's logit soft-capping), in x's dtype; cap None: x."""
+    if cap is None:
+        return x
+    return torch.tanh(x / cap) * cap
+
+
+def rope_inverse_frequencies(config: PretrainedConfig, layer_type: str | None = None,
+                             max_positions: int | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling from transformers' own rope-init functions.
 
-    Supports every static rope type transformers registers (default, linear, llama3, yarn, ...);
-    `dynamic` and `longrope` change with the sequence length at run time and are refused.
+    Supports every static rope type transformers registers (default, linear, llama3, yarn, ...),
+    per layer type where the config keeps one set of parameters per type (Gemma 3: local and
+    global layers). `longrope` (Phi-3's su scaling) has two sets of factors, and HF switches
+    between them at run time, for every position at once, by the current sequence length: short
+    factors while it is at most original_max_position_embeddings, long ones beyond. A paged KV
+    cache keeps keys rotated once, so the choice here is made once, by the engine's context
+    limit `max_positions`: short factors when max_model_len <= original_max_position_embeddings
+    (then every sequence the engine accepts is one HF runs with short factors: equal to HF), long
+    factors otherwise (equal to HF for sequences whose prompt already exceeds the original length;
+    shorter ones differ from HF, which would use short factors for them until they grow past it).
+    `dynamic` changes with the sequence length too and is refused.
     """
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     with torch.device("cpu"):  # real numbers even while the module is being built on "meta"
-        return _rope_init(config, ROPE_INIT_FUNCTIONS)
+        return _rope_init(config, ROPE_INIT_FUNCTIONS, layer_type, max_positions)
 
 
-def _rope_init(config: PretrainedConfig, ROPE_INIT_FUNCTIONS) -> tuple[torch.Tensor, float]:
+def _rope_init(config: PretrainedConfig, ROPE_INIT_FUNCTIONS, layer_type: str | None = None,
+               max_positions: int | None = None) -> tuple[torch.Tensor, float]:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if layer_type is not None:
+        params = params[layer_type]
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type in ("dynamic", "longrope"):
+    kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    if rope_type == "dynamic":
         raise ValueError(f"rope type {rope_type!r} depends on the sequence length at run time; unsupported")
-    if rope_type in ROPE_INIT_FUNCTIONS:
-        return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    if rope_type == "longrope":
+        return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), seq_len=max_positions, **kwargs)
+    if rope_type in ROPE_INIT_FUNCTIONS and rope_type != "default":
+        return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
     if rope_type != "default":
         raise ValueError(f"unknown rope type {rope_type!r}; transformers knows {sorted(ROPE_INIT_FUNCTIONS)}")
+    if layer_type is not None:   # HF's default formula (Gemma 3's compute_default_rope_parameters)
+        dim = int((getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+                  * params.get("partial_rotary_factor", 1.0))
+        return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
     return LlamaRotaryEmbedding.compute_default_rope_parameters(config)
 
@@ -309,10 +462,10 @@ ROPE_SIGNED_MAX_ROWS = 64
 class RotaryEmbedding(nn.Module):
     """Neox-style RoPE (rotate halves, as HF Llama) from a cos/sin table indexed by position."""
 
-    def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
+    def __init__(self, config: PretrainedConfig, max_positions: int, layer_type: str | None = None) -> None:
         super().__init__()
-        self.config, self.max_positions = config, max_positions
-        inv_freq, _ = rope_inverse_frequencies(config)
+        self.config, self.max_positions, self.layer_type = config, max_positions, layer_type
+        inv_freq, _ = rope_inverse_frequencies(config, layer_type, max_positions)
         self.rotary_dim = inv_freq.numel() * 2
         self.register_buffer("cos_sin_cache", torch.empty(max_positions, self.rotary_dim, dtype=torch.float32),
                              persistent=False)
@@ -321,7 +474,7 @@ class RotaryEmbedding(nn.Module):
 
     @torch.no_grad()
     def reset_cache(self) -> None:
-        inv_freq, attention_scaling = rope_inverse_frequencies(self.config)
+        inv_freq, attention_scaling = rope_inverse_frequencies(self.config, self.layer_type, self.max_positions)
         t = torch.arange(self.max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq.float())
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_scaling
@@ -424,18 +577,29 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: i
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up packed in one matmul."""
+    """down(act(gate(x)) * up(x)) with gate and up packed in one matmul; act is SiLU (`silu`) or
+    GELU with the tanh approximation (`gelu_tanh`, Gemma's gelu_pytorch_tanh)."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool, activation: str = "silu") -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {activation!r}; supported: {', '.join(sorted(ACTIVATIONS))}")
+        self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.activation = activation
+        self.activate = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.activate(self.gate_up_proj(x)))
 
     @staticmethod
-    def activate(gate_up: torch.Tensor) -> torch.Tensor:
+    def activate_gelu_tanh(gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu_tanh(gate) * up (HF's GELUTanh); the torch ops on every device."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh").mul_(up)
+
+    @staticmethod
+    def activate_silu(gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of gate_up_proj's output, what down_proj reads."""
         kernels = fused(gate_up)
         if kernels is not None:
@@ -445,3 +609,15 @@ class GatedMLP(nn.Module):
             return out
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)  # silu(gate) * up, one temporary
+
+
+ACTIVATIONS = {"silu": GatedMLP.activate_silu, "gelu_tanh": GatedMLP.activate_gelu_tanh}
+"""Gated activations by name; HF's hidden_act names map here through `activation_name`."""
+_HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def activation_name(hf_name: str) -> str:
+    """Our activation for a config's hidden_act / hidden_activation (a clear error if unsupported)."""
+    if hf_name not in _HF_ACTIVATIONS:
+        raise ValueError(f"unsupported hidden activation {hf_name!r}; supported: {', '.join(sorted(_HF_ACTIVATIONS))}")
+    return _HF_ACTIVATIONS[hf_name]

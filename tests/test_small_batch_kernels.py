@@ -281,6 +281,7 @@ def test_model_logits_same_with_small_batch_path_forced(tmp_path, monkeypatch, f
 
     spy, calls = _spy()
     monkeypatch.setattr(llama, "small_batch", lambda x: spy)
+    monkeypatch.setattr(layers, "small_batch", lambda x: spy)   # Linear's dispatch: the LM head
     got = [prefill_logits(model, prompts) for prompts in batches]
     layers_run = 2 * model.num_local_layers
     assert calls["norm_linear"] == layers_run
