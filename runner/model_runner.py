@@ -393,8 +393,9 @@ class ModelRunner:
         if isinstance(out, DecodeOutput) and len(rows) == len(reqs):
             return out.greedy[:len(reqs)]
         if (self.device.type == "cpu" and not isinstance(out, DecodeOutput) and common.uniform_decode
-                and len(rows) == len(reqs)):
-            # A CPU decode step: the LM head read in bf16 first, fp32 only near the top (exact).
+                and len(rows) == len(reqs) and self.model.final_logit_softcapping is None):
+            # A CPU decode step: the LM head read in bf16 first, fp32 only near the top (exact; a
+            # soft-capped head's ties may fall elsewhere, so those take the logits below).
             tokens = screened_argmax(out[:len(reqs)], self.model.lm_head)
             if tokens is not None:
                 return tokens
