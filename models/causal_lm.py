@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from models.hf_config import ModelSpec
-from models.layers import Linear, RMSNorm, RotaryEmbedding, ScaledEmbedding, soft_cap
+from models.layers import Linear, RMSNorm, ScaledEmbedding, soft_cap
+from models.rotary import RotaryEmbedding
 
 
 @dataclass

@@ -15,7 +15,8 @@ from torch import nn
 
 from models.causal_lm import CausalLM, DecoderModel, add_norm, layer_sliding_window
 from models.hf_config import ModelSpec
-from models.layers import GatedMLP, OffsetRMSNorm, RotaryEmbedding, activation_name
+from models.layers import GatedMLP, OffsetRMSNorm, activation_name
+from models.rotary import RotaryEmbedding
 from models.llama import SelfAttention
 
 

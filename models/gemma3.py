@@ -13,7 +13,7 @@ from torch import nn
 from models.causal_lm import CausalLM
 from models.gemma2 import Gemma2Model, GemmaDecoderLayer
 from models.hf_config import ModelSpec
-from models.layers import RotaryEmbedding
+from models.rotary import RotaryEmbedding
 
 
 class Gemma3Model(Gemma2Model):

@@ -13,7 +13,8 @@ from torch import nn
 from attention.layer import Attention
 from models.causal_lm import CausalLM, DecoderModel, IntermediateTensors, add_norm, layer_sliding_window
 from models.hf_config import ModelSpec
-from models.layers import GatedMLP, Linear, QKVLinear, RMSNorm, RotaryEmbedding, activation_name, small_batch
+from models.layers import GatedMLP, Linear, QKVLinear, RMSNorm, activation_name, small_batch
+from models.rotary import RotaryEmbedding
 
 __all__ = ["DecoderLayer", "IntermediateTensors", "LlamaForCausalLM", "LlamaModel", "SelfAttention"]
 

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from models import model_spec
-from models.layers import rope_inverse_frequencies
+from models.rotary import rope_inverse_frequencies
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 

@@ -54,7 +54,7 @@ def test_prefill_logits_match_hf(tmp_path, case):
 def test_phi3_longrope_factors_follow_max_model_len(tmp_path, max_positions, lengths):
     """Phi-3's su / longrope scaling: HF rotates with the short factors while the sequence is at most
     original_max_position_embeddings (64 here) and with the long ones beyond. Our table is chosen once
-    by max_model_len (models/layers.py, rope_inverse_frequencies): at 64, short factors, HF's for every
+    by max_model_len (models/rotary.py, rope_inverse_frequencies): at 64, short factors, HF's for every
     sequence the engine accepts; at 256, long factors, HF's for prompts past 64 tokens."""
     path, hf = make_tiny_checkpoint(tmp_path / "phi3", "phi3", rope_scaling="longrope")
     spec = model_spec(load_hf_config(path))
@@ -249,7 +249,7 @@ def test_bad_config_values_name_the_field():
 
 def test_decode_rope_signed_tables_match_rotate_bit_for_bit():
     """A decode step's RoPE (`_rotate_signed`, 4 kernels) gives `_rotate`'s bits (HF's rounding)."""
-    from models.layers import _rotate, _rotate_signed
+    from models.rotary import _rotate, _rotate_signed
     g = torch.Generator().manual_seed(0)
     for rows in (1, 7, 32, 64):
         qkv = torch.randn(rows, 15 * 64, generator=g) * 4

@@ -158,7 +158,7 @@ and the third."""
 
 
 def _qkv_rope_inputs(hq, hkv, dim, k, dtype, residual, bias, seed):
-    from models.layers import RotaryEmbedding
+    from models.rotary import RotaryEmbedding
     from transformers import LlamaConfig
 
     x, res, norm, weight, b = _inputs(1, k, (hq + 2 * hkv) * dim, dtype, residual, bias, seed)
