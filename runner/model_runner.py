@@ -22,7 +22,7 @@ from attention.forward_context import ForwardContext, get_forward_context, set_f
 from configs import CUDAGraphMode, EngineConfig, SamplingParams
 from models.hf_config import ModelSpec
 from models.layers import screened_argmax
-from models.llama import IntermediateTensors
+from models.causal_lm import IntermediateTensors
 from models.loader import build_model
 from runner.cudagraph import (CUDA_GRAPHS, BatchDescriptor, CapturePhase, CUDAGraphWrapper, CudagraphDispatcher,
                               capture_all, default_capture_sizes, graph_pool,
