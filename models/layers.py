@@ -144,17 +144,26 @@ class WeightLoadError(ValueError):
     """A checkpoint tensor is missing, unexpected, or of the wrong shape."""
 
 
-def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
-    """Copy a checkpoint tensor stored exactly as the parameter is (no packing, no slicing)."""
+def default_weight_loader(param: torch.Tensor, loaded, shard_id=None) -> None:
+    """Copy a checkpoint tensor stored exactly as the parameter is (no packing, no slicing).
+
+    `loaded`, here and in every weight_loader, is a torch.Tensor or a safetensors slice
+    (`safe_open(...).get_slice(name)`, not yet read): a loader reads only what it keeps
+    (`loaded[:]` here; a tensor-parallel rank would read `loaded[start:stop]`)."""
     if shard_id is not None:
         raise WeightLoadError(f"this parameter is not packed, yet shard {shard_id!r} was given")
     _copy_checked(param.data, loaded)
 
 
-def _copy_checked(dest: torch.Tensor, loaded: torch.Tensor) -> None:
-    if tuple(loaded.shape) != tuple(dest.shape):
-        raise WeightLoadError(f"expected {tuple(dest.shape)}, found {tuple(loaded.shape)}")
-    dest.copy_(loaded)
+def loaded_shape(loaded) -> tuple[int, ...]:
+    """The shape of a checkpoint tensor or of a safetensors slice (read without reading the data)."""
+    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
+
+
+def _copy_checked(dest: torch.Tensor, loaded) -> None:
+    if loaded_shape(loaded) != tuple(dest.shape):
+        raise WeightLoadError(f"expected {tuple(dest.shape)}, found {loaded_shape(loaded)}")
+    dest.copy_(loaded if isinstance(loaded, torch.Tensor) else loaded[:])
 
 
 class Linear(nn.Linear):
@@ -171,7 +180,7 @@ class Linear(nn.Linear):
     shard_ids: tuple = ()
     """The shard ids a packed layer is loaded from, one checkpoint tensor each (empty: unpacked)."""
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         if shard_id is None:   # stored as we keep it (unpacked, or already fused as Phi-3's)
             _copy_checked(param.data, loaded)
             return
@@ -430,7 +439,10 @@ class GatedMLP(nn.Module):
 
     @staticmethod
     def activate_gelu_tanh(gate_up: torch.Tensor) -> torch.Tensor:
-        """gelu_tanh(gate) * up (HF's GELUTanh); the torch ops on every device."""
+        """gelu_tanh(gate) * up (HF's GELUTanh): one Triton kernel on CUDA, else the torch ops."""
+        kernels = fused(gate_up)
+        if kernels is not None and gate_up.dim() == 2:
+            return kernels.gelu_tanh_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh").mul_(up)
 

@@ -1,6 +1,7 @@
 """Checkpoint -> module: safetensors straight into the parameters, or random `dummy` weights.
 
-Tensors are read one at a time from memory-mapped safetensors files, and each is handed to the
+Tensors are read one at a time from memory-mapped safetensors files: each, as a safetensors slice
+that the receiving loader reads (all of it here; a tensor-parallel rank would read its part), goes to the
 `weight_loader(param, loaded_tensor, shard_id)` of the module that owns its parameter (the vLLM /
 nano-vllm pattern): the layer knows its own layout, so packed q/k/v (shard ids "q", "k", "v"),
 packed gate/up (0, 1) and tensors stored already fused (Phi-3's qkv_proj and gate_up_proj, shard id
@@ -97,8 +98,9 @@ def _checkpoint_name(model: CausalLM, param: str, shard) -> str:
     return ".".join(parts[:-2] + [inverse[(parts[-2], shard)], parts[-1]])
 
 
-def _load_one(model: CausalLM, params: dict, param_name: str, shard, tensor: torch.Tensor) -> None:
-    """Hand one checkpoint tensor to the weight_loader of the module that owns the parameter."""
+def _load_one(model: CausalLM, params: dict, param_name: str, shard, tensor) -> None:
+    """Hand one checkpoint tensor (a safetensors slice, read by the loader that takes it) to the
+    weight_loader of the module that owns the parameter."""
     param = params[param_name]
     if shard == "tied":   # the head of a rank without the embedding, loaded from the embedding
         default_weight_loader(param, tensor)
@@ -132,7 +134,7 @@ def load_safetensors(model: CausalLM, folder: Path) -> None:
                 if name not in present:
                     raise WeightLoadError(f"missing tensor {name!r}: the index names {file.name}, which lacks it")
                 try:
-                    _load_one(model, params, param_name, shard, handle.get_tensor(name))
+                    _load_one(model, params, param_name, shard, handle.get_slice(name))
                 except WeightLoadError as error:
                     raise WeightLoadError(f"shape mismatch for {name!r} in {file.name}: {error}") from None
                 loaded.add((param_name, shard))

@@ -48,6 +48,13 @@ def test_silu_and_mul(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul(dtype):
+    """Gemma's gated activation against the torch reference of models/layers.GatedMLP."""
+    x = torch.randn(5, 2 * 1100, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype) * 3
+    _close(fused_kernels.gelu_tanh_and_mul(x), layers.GatedMLP.activate_gelu_tanh(x.cpu()).to(DEVICE), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (9, 3, 64), (4, 4, 24)])
 def test_rope_on_strided_q_and_k(dtype, heads, kv_heads, head_dim):
     from transformers import LlamaConfig

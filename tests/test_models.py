@@ -104,6 +104,22 @@ def test_weight_loader_places_shards():
         qkv.weight_loader(qkv.weight, torch.zeros(5, 8), "k")
 
 
+def test_weight_loader_takes_unread_safetensors_slices(tmp_path):
+    """The loader hands each weight_loader a safetensors slice (`get_slice`), which it reads itself:
+    the place a tensor-parallel rank would read only its rows."""
+    from safetensors import safe_open
+
+    from models.layers import QKVLinear
+    k = torch.randn(4, 8)
+    save_file({"k": k, "wrong": torch.zeros(5, 8)}, tmp_path / "t.safetensors")
+    qkv = QKVLinear(8, num_heads=4, num_kv_heads=2, head_dim=2, bias=False)
+    with safe_open(tmp_path / "t.safetensors", framework="pt") as handle:
+        qkv.weight_loader(qkv.weight, handle.get_slice("k"), "k")
+        with pytest.raises(WeightLoadError, match=r"expected \(4, 8\), found \(5, 8\)"):
+            qkv.weight_loader(qkv.weight, handle.get_slice("wrong"), "v")
+    assert torch.equal(qkv.weight.data[8:12], k)
+
+
 def test_registry_builds_each_family_from_its_module():
     from models.registry import ARCHITECTURES, model_class
     for arch, family in ARCHITECTURES.items():

@@ -321,12 +321,13 @@ def test_backend_skips_the_kv_write_the_layer_did_and_fits_splits_only_outside_f
             self.max_seq_len = max_seq_len
             calls.append("new step")
 
-        def __call__(self, query, kv_cache, out, scale):
+        def __call__(self, query, kv_cache, out, scale, sliding_window=None, soft_cap=None):
             calls.append(("attention", self.max_seq_len))
 
     monkeypatch.setattr(triton_paged, "write_kv", lambda *a: calls.append("write_kv"))
     monkeypatch.setattr(triton_paged, "unified_attention",
-                        lambda *a, max_seq_len=None: calls.append(("attention", max_seq_len)))
+                        lambda *a, max_seq_len=None, sliding_window=None, soft_cap=None:
+                        calls.append(("attention", max_seq_len)))
     monkeypatch.setattr(triton_paged, "StepAttention", FakeStepAttention)
     backend = triton_paged.TritonPagedBackend()
     assert backend.kv_written_by_layer
