@@ -334,12 +334,10 @@ class RMSNorm(nn.Module):
         return self.weight
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        kernels = fused(x)
-        if kernels is None or not self.kernel_rounds_like_reference(x):
-            # a CPU decode step: one C pass (models/cpu_kernels.py) where it applies
-            result = None
-            if self.kernel_rounds_like_reference(x):
-                result = cpu_kernels.add_rms_norm(x, residual, self.kernel_weight(), self.eps)
+        exact = self.kernel_rounds_like_reference(x)
+        kernels = fused(x) if exact else None
+        if kernels is None:   # a CPU decode step: one C pass (models/cpu_kernels.py) where it applies
+            result = cpu_kernels.add_rms_norm(x, residual, self.kernel_weight(), self.eps) if exact else None
             return self.reference(x, residual) if result is None else result
         shape = x.shape
         result = kernels.add_rms_norm(x.reshape(-1, shape[-1]), self.kernel_weight(), self.eps,

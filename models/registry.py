@@ -31,7 +31,8 @@ class Family:
 
 ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": Family("models.llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": Family("models.llama", "LlamaForCausalLM", FamilyFlags(qkv_bias=False)),
+    "MistralForCausalLM": Family("models.llama", "LlamaForCausalLM",
+                                 FamilyFlags(qkv_bias=False, sliding_window_in_attention=True)),
     "Qwen2ForCausalLM": Family("models.llama", "LlamaForCausalLM", FamilyFlags(qkv_bias=True)),
     "Qwen3ForCausalLM": Family("models.llama", "LlamaForCausalLM", FamilyFlags(qk_norm=True)),
     "Phi3ForCausalLM": Family("models.phi3", "Phi3ForCausalLM", FamilyFlags(sliding_window_in_attention=True)),

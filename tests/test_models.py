@@ -24,6 +24,7 @@ CASES = {
     "llama3_rope": ("llama_gqa", {"rope_scaling": "llama3"}),
     "yarn_rope": ("llama", {"rope_scaling": "yarn"}),
     "sharded": ("llama_gqa", {"sharded": True}),
+    "mistral_window": ("mistral", {"sliding_window": 12}),
     "phi3_fused": ("phi3", {}),
     "phi3_window": ("phi3", {"sliding_window": 12}),
     "gemma2": ("gemma2", {}),
