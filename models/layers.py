@@ -184,8 +184,13 @@ class Linear(nn.Linear):
         if shard_id is None:   # stored as we keep it (unpacked, or already fused as Phi-3's)
             _copy_checked(param.data, loaded)
             return
-        start, size = self.shard_rows(shard_id)
-        _copy_checked(param.data.narrow(0, start, size), loaded)
+        _copy_checked(self.shard_view(param, shard_id), loaded)
+
+    def shard_view(self, param: nn.Parameter, shard_id) -> torch.Tensor:
+        """The rows of `param` (weight or bias) that shard `shard_id` fills; the whole of it for None."""
+        if shard_id is None:
+            return param.data
+        return param.data.narrow(0, *self.shard_rows(shard_id))
 
     def shard_rows(self, shard_id) -> tuple[int, int]:
         """(first output row, row count) of one shard in the packed weight (and bias)."""

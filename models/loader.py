@@ -98,6 +98,16 @@ def _checkpoint_name(model: CausalLM, param: str, shard) -> str:
     return ".".join(parts[:-2] + [inverse[(parts[-2], shard)], parts[-1]])
 
 
+def destination(model: CausalLM, param_name: str, shard) -> torch.Tensor:
+    """Where a checkpoint tensor lands: the parameter, or its shard's rows of a packed one (for
+    messages and checks that need the expected shape or the loaded values)."""
+    param = model.get_parameter(param_name)
+    owner = _owner(model, param_name)
+    if shard in (None, "tied") or not hasattr(owner, "shard_view"):
+        return param.data
+    return owner.shard_view(param, shard)
+
+
 def _load_one(model: CausalLM, params: dict, param_name: str, shard, tensor) -> None:
     """Hand one checkpoint tensor (a safetensors slice, read by the loader that takes it) to the
     weight_loader of the module that owns the parameter."""
@@ -132,17 +142,21 @@ def load_safetensors(model: CausalLM, folder: Path) -> None:
                     raise WeightLoadError(f"unexpected tensor {name!r} in {file.name}: no such parameter "
                                           f"in {model.spec.architecture}")
                 if name not in present:
-                    raise WeightLoadError(f"missing tensor {name!r}: the index names {file.name}, which lacks it")
+                    raise WeightLoadError(f"missing tensor {name!r} (expected shape "
+                                          f"{tuple(destination(model, param_name, shard).shape)}, found none): "
+                                          f"the index names {file.name}, which lacks it")
                 try:
                     _load_one(model, params, param_name, shard, handle.get_slice(name))
                 except WeightLoadError as error:
                     raise WeightLoadError(f"shape mismatch for {name!r} in {file.name}: {error}") from None
                 loaded.add((param_name, shard))
     # A packed parameter stored whole (shard id None) covers its shards too.
-    missing = sorted(_checkpoint_name(model, p, s) for p, s in expected - loaded if (p, None) not in loaded)
+    missing = sorted((_checkpoint_name(model, p, s), tuple(destination(model, p, s).shape))
+                     for p, s in expected - loaded if (p, None) not in loaded)
     if missing:
         searched = ", ".join(sorted({f.name for f in files.values()}))
-        raise WeightLoadError(f"missing tensor(s) {missing} in checkpoint {str(folder)!r} (searched {searched})")
+        listed = ", ".join(f"{name!r} (expected shape {shape}, found none)" for name, shape in missing)
+        raise WeightLoadError(f"missing tensor(s) {listed} in checkpoint {str(folder)!r} (searched {searched})")
 
 
 @torch.no_grad()
