@@ -15,12 +15,20 @@ class Attention(nn.Module):
     layer's cache)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, cache_index: int,
-                 rotary: nn.Module) -> None:
+                 rotary: nn.Module, *, scale: float | None = None, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+        self.sliding_window = sliding_window
+        """A query at position p sees keys at positions p - sliding_window < k <= p (HF's sliding
+        window: at most `sliding_window` keys, itself included); None: every earlier key."""
+        self.logits_soft_cap = logits_soft_cap
+        """Scores become cap * tanh(scores / cap) before the softmax (Gemma 2); None: as they are."""
         self.cache_index = cache_index
         self.rotary = rotary  # the model's one table, shared by every layer
 

@@ -73,6 +73,31 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _gelu_tanh_and_mul_kernel(x_ptr, out_ptr, x_stride, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producers(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_stride + n_cols + cols, mask=mask, other=0.0)
+    # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh(u) = 1 - 2 / (e^(2u) + 1)
+    inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+    tanh = 1.0 - 2.0 / (tl.math.exp2(inner * (2.0 * 1.4426950408889634)) + 1.0)
+    act = (0.5 * gate * (1.0 + tanh)).to(up.dtype).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, (act * up.to(tl.float32)).to(up.dtype), mask=mask)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(x[:, :n]) * x[:, n:] for x [T, 2n] (Gemma's gated MLP), rounded as `silu_and_mul`."""
+    rows, cols = x.shape[0], x.shape[1] // 2
+    out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    block = 1024
+    launch(_gelu_tanh_and_mul_kernel, (rows, triton.cdiv(cols, block)), x, out, x.stride(0), cols, BLOCK=block,
+           num_warps=4, **pdl_options(x.device))
+    return out
+
+
+@triton.jit
 def _rotate_into(src, dst, pos_ptr, token, cos_sin_ptr, cos_sin_stride, HALF: tl.constexpr, BLOCK: tl.constexpr):
     """dst = neox-rotate(src) for one head at the token's position; fp32 math, rounded to src's
     dtype (as the torch reference), then stored in dst's dtype."""

@@ -1,4 +1,4 @@
-"""HF config.json -> ModelSpec: the few numbers the Llama-family module needs."""
+"""HF config.json -> ModelSpec: the numbers every family module needs (the rest it reads from hf_config)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ class ModelSpec:
     o_proj_bias: bool
     mlp_bias: bool
     qk_norm: bool
+    sliding_window_in_attention: bool
     max_position_embeddings: int
     checkpoint_dtype: torch.dtype | None
     eos_token_ids: tuple[int, ...]
@@ -85,6 +86,7 @@ def model_spec(config: PretrainedConfig) -> ModelSpec:
         o_proj_bias=qkv_bias if flags.qkv_bias is None else False,
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
         qk_norm=flags.qk_norm,
+        sliding_window_in_attention=flags.sliding_window_in_attention,
         max_position_embeddings=config.max_position_embeddings,
         checkpoint_dtype=_checkpoint_dtype(config),
         eos_token_ids=_eos_ids(config),
@@ -95,7 +97,8 @@ def resolve_max_model_len(spec: ModelSpec, requested: int | None) -> int:
     """The longest sequence the engine accepts: the request, capped by the model's limits."""
     limit = spec.max_position_embeddings
     window = getattr(spec.hf_config, "sliding_window", None)
-    if window and getattr(spec.hf_config, "use_sliding_window", True) and window < limit:
+    if (window and not spec.sliding_window_in_attention and getattr(spec.hf_config, "use_sliding_window", True)
+            and window < limit):
         logger.info("sliding_window=%d: max_model_len capped to the window (full attention inside it)", window)
         limit = window
     if requested is None:

@@ -1,11 +1,14 @@
-"""Building blocks of the Llama family: linear, RMSNorm, rotary embedding, gated MLP.
+"""The shared building blocks every family builds from: linear (plain and packed, with their
+weight loaders), RMSNorm (and Gemma's 1 + w form), the scaled embedding, gated MLP activations
+(RoPE is models/rotary.py).
 
 Each block has a torch `reference` (CPU, and the definition of correct) and, on CUDA, one
 fused Triton kernel (models/fused_kernels.py): fewer launches per layer is what a small
 model's graph replay is bound by. KernelConfig.fused_ops=False turns the kernels off (benchmarks
-measure before/after in one run). For one decode row, DecoderLayer goes further through
-models/small_batch_kernels.py (`small_batch`: the norms fused into the projections that follow
-them, where that is measured to win); KernelConfig.small_batch_kernels=False turns only that off.
+measure before/after in one run). For one decode row, `Linear` takes the one-row GEMV and the
+Llama-family DecoderLayer goes further through models/small_batch_kernels.py (`small_batch`: the
+norms fused into the projections that follow them, where that is measured to win);
+KernelConfig.small_batch_kernels=False turns only that off.
 
 On a CPU the reference paths are what runs, so they keep HF's rounding points (token-exact
 greedy parity) with as few passes and temporaries as that allows, and fp32 linears of small
@@ -20,7 +23,6 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig
 
 from configs.kernel_config import active_kernel_config
 from models import cpu_kernels
@@ -150,13 +152,66 @@ def _build_pack(weight: torch.Tensor):
 _weight_pack = PerWeight(_build_pack)
 
 
+class WeightLoadError(ValueError):
+    """A checkpoint tensor is missing, unexpected, or of the wrong shape."""
+
+
+def default_weight_loader(param: torch.Tensor, loaded, shard_id=None) -> None:
+    """Copy a checkpoint tensor stored exactly as the parameter is (no packing, no slicing).
+
+    `loaded`, here and in every weight_loader, is a torch.Tensor or a safetensors slice
+    (`safe_open(...).get_slice(name)`, not yet read): a loader reads only what it keeps
+    (`loaded[:]` here; a tensor-parallel rank would read `loaded[start:stop]`)."""
+    if shard_id is not None:
+        raise WeightLoadError(f"this parameter is not packed, yet shard {shard_id!r} was given")
+    _copy_checked(param.data, loaded)
+
+
+def loaded_shape(loaded) -> tuple[int, ...]:
+    """The shape of a checkpoint tensor or of a safetensors slice (read without reading the data)."""
+    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
+
+
+def _copy_checked(dest: torch.Tensor, loaded) -> None:
+    if loaded_shape(loaded) != tuple(dest.shape):
+        raise WeightLoadError(f"expected {tuple(dest.shape)}, found {loaded_shape(loaded)}")
+    dest.copy_(loaded if isinstance(loaded, torch.Tensor) else loaded[:])
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same names); on a CPU, fp32 inputs of at most PACKED_MAX_ROWS
     rows (decode steps) multiply by an MKL-packed copy of the weight, so MKL does not repack the
     weight on every call. Bit-identical to F.linear from 16 rows on at the measured shapes; the
-    same sum in another order (last-bit differences) below that."""
+    same sum in another order (last-bit differences) below that.
+
+    `weight_loader(param, loaded, shard_id)` places a checkpoint tensor into one of its
+    parameters (models/loader.py calls it for every tensor): a plain Linear takes tensors as
+    stored; the packed subclasses below also take one shard at a time. A tensor-parallel layer
+    would narrow `loaded` to its rank's rows or columns here, and nowhere else."""
+
+    shard_ids: tuple = ()
+    """The shard ids a packed layer is loaded from, one checkpoint tensor each (empty: unpacked)."""
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        if shard_id is None:   # stored as we keep it (unpacked, or already fused as Phi-3's)
+            _copy_checked(param.data, loaded)
+            return
+        _copy_checked(self.shard_view(param, shard_id), loaded)
+
+    def shard_view(self, param: nn.Parameter, shard_id) -> torch.Tensor:
+        """The rows of `param` (weight or bias) that shard `shard_id` fills; the whole of it for None."""
+        if shard_id is None:
+            return param.data
+        return param.data.narrow(0, *self.shard_rows(shard_id))
+
+    def shard_rows(self, shard_id) -> tuple[int, int]:
+        """(first output row, row count) of one shard in the packed weight (and bias)."""
+        raise WeightLoadError(f"{type(self).__name__} is not packed, yet shard {shard_id!r} was given")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = small_batch(x) if x.dim() == 2 else None
+        if kernels is not None:   # one row: the one-row GEMV streams the weight faster than cuBLAS
+            return kernels.linear(x, self.weight, self.bias)
         rows = x.shape[0] if x.dim() == 2 else (x.numel() // x.shape[-1] if x.numel() else 0)
         if (x.is_cuda or not 0 < rows <= PACKED_MAX_ROWS or x.dtype != torch.float32
                 or self.weight.dtype != torch.float32 or not _packing_enabled()):
@@ -165,6 +220,35 @@ class Linear(nn.Linear):
         if pack is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkl._mkl_linear(x, pack, self.weight, self.bias, rows)
+
+
+class QKVLinear(Linear):
+    """q, k and v projections packed in one weight [(Hq + 2 Hkv) D, hidden]: one matmul. Loaded
+    from q_proj / k_proj / v_proj (shard ids "q", "k", "v") or from a stored fused qkv_proj."""
+
+    shard_ids = ("q", "k", "v")
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool) -> None:
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        super().__init__(hidden, q_size + 2 * kv_size, bias=bias)
+        self.q_size, self.kv_size = q_size, kv_size
+
+    def shard_rows(self, shard_id) -> tuple[int, int]:
+        q, kv = self.q_size, self.kv_size
+        return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+
+
+class MergedLinear(Linear):
+    """Several projections of one input stacked along the output rows (gate and up: shard ids 0
+    and 1, from gate_proj / up_proj, or from a stored fused gate_up_proj)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool) -> None:
+        super().__init__(in_features, sum(out_sizes), bias=bias)
+        self.out_sizes = tuple(out_sizes)
+        self.shard_ids = tuple(range(len(out_sizes)))
+
+    def shard_rows(self, shard_id) -> tuple[int, int]:
+        return sum(self.out_sizes[:shard_id]), self.out_sizes[shard_id]
 
 
 SCREEN_MIN_ROWS = 16
@@ -261,13 +345,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
+    def kernel_weight(self) -> torch.Tensor:
+        """The weight the kernels multiply by (OffsetRMSNorm: 1 + weight)."""
+        return self.weight
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        kernels = fused(x)
+        exact = self.kernel_rounds_like_reference(x)
+        kernels = fused(x) if exact else None
         if kernels is None:   # a CPU decode step: one C pass (models/cpu_kernels.py) where it applies
-            result = cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
+            result = cpu_kernels.add_rms_norm(x, residual, self.kernel_weight(), self.eps) if exact else None
             return self.reference(x, residual) if result is None else result
         shape = x.shape
-        result = kernels.add_rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps,
+        result = kernels.add_rms_norm(x.reshape(-1, shape[-1]), self.kernel_weight(), self.eps,
                                       None if residual is None else residual.reshape(-1, shape[-1]))
         if residual is None:
             return result.view(shape)
@@ -287,166 +376,92 @@ class RMSNorm(nn.Module):
             out = self.weight * (x32 * scale).to(x.dtype)
         return out if residual is None else (out, residual)
 
-
-def rope_inverse_frequencies(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention scaling from transformers' own rope-init functions.
-
-    Supports every static rope type transformers registers (default, linear, llama3, yarn, ...);
-    `dynamic` and `longrope` change with the sequence length at run time and are refused.
-    """
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    with torch.device("cpu"):  # real numbers even while the module is being built on "meta"
-        return _rope_init(config, ROPE_INIT_FUNCTIONS)
+    def kernel_rounds_like_reference(self, x: torch.Tensor) -> bool:
+        """The kernels round the normalised x to the model dtype before the weight multiply, as
+        this reference does: always true here."""
+        return True
 
 
-def _rope_init(config: PretrainedConfig, ROPE_INIT_FUNCTIONS) -> tuple[torch.Tensor, float]:
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type in ("dynamic", "longrope"):
-        raise ValueError(f"rope type {rope_type!r} depends on the sequence length at run time; unsupported")
-    if rope_type in ROPE_INIT_FUNCTIONS:
-        return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
-    if rope_type != "default":
-        raise ValueError(f"unknown rope type {rope_type!r}; transformers knows {sorted(ROPE_INIT_FUNCTIONS)}")
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-    return LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + weight), all in float32, rounded once
+    at the end. The stored weight is the offset from one (HF keeps it so: zeros mean identity).
+    The kernels multiply by a float32 copy of 1 + weight, made once per weight version; in
+    float32 they are then this reference's roundings exactly, in lower precision they would round
+    once more (before the weight), so those take the reference."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__(size, eps)
+        with torch.no_grad():
+            self.weight.zero_()
+
+    def kernel_weight(self) -> torch.Tensor:
+        return _one_plus(self.weight)
+
+    def kernel_rounds_like_reference(self, x: torch.Tensor) -> bool:
+        return x.dtype == torch.float32
+
+    def reference(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        x32 = x.float()
+        scale = x32.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        out = (x32 * scale * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, residual)
 
 
-ROPE_SIGNED_MAX_ROWS = 64
-"""Steps of at most this many tokens rotate through `_rotate_signed` (decode); longer ones `_rotate`."""
+_one_plus = PerWeight(lambda weight: 1.0 + weight.detach().float())
 
 
-class RotaryEmbedding(nn.Module):
-    """Neox-style RoPE (rotate halves, as HF Llama) from a cos/sin table indexed by position."""
+class ScaledEmbedding(nn.Embedding):
+    """nn.Embedding whose rows are multiplied by `scale` (Gemma: sqrt(hidden), rounded to the model
+    dtype first, as HF does); scale None is the plain lookup."""
 
-    def __init__(self, config: PretrainedConfig, max_positions: int) -> None:
-        super().__init__()
-        self.config, self.max_positions = config, max_positions
-        inv_freq, _ = rope_inverse_frequencies(config)
-        self.rotary_dim = inv_freq.numel() * 2
-        self.register_buffer("cos_sin_cache", torch.empty(max_positions, self.rotary_dim, dtype=torch.float32),
-                             persistent=False)
-        if self.cos_sin_cache.device.type != "meta":
-            self.reset_cache()
+    def __init__(self, num_embeddings: int, embedding_dim: int, scale: float | None = None) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.scale = scale
 
-    @torch.no_grad()
-    def reset_cache(self) -> None:
-        inv_freq, attention_scaling = rope_inverse_frequencies(self.config)
-        t = torch.arange(self.max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq.float())
-        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_scaling
-        self.cos_sin_cache.copy_(cache)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, Hq, D], k [T, Hk, D] -> rotated copies."""
-        kernels = fused(q)
-        if kernels is None or self.rotary_dim != q.shape[-1]:
-            return self.reference(positions, q, k)
-        return kernels.rope(positions, q, k, self.cos_sin_cache)
-
-    def rotate_and_cache(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor | None:
-        """Rotated q, with rotated k and v written into kv_cache at slot_mapping, in one fused
-        kernel; None where that kernel does not apply (no CUDA, fused ops off, partial rotary)."""
-        kernels = fused(q)
-        if kernels is None or self.rotary_dim != q.shape[-1]:
-            return None
-        return kernels.rope_and_cache(positions, q, k, v, self.cos_sin_cache, kv_cache, slot_mapping)
-
-    def begin_step(self, positions: torch.Tensor) -> None:
-        """Marks this step's positions (the model calls it before its layers and `end_step` after):
-        the torch reference path gathers their cos/sin rows on its first call and every layer reuses
-        them. A step whose layers all take a kernel (CUDA, or the C RoPE) gathers nothing."""
-        self._step = (positions, None)
-
-    def end_step(self) -> None:
-        self._step = None
-
-    _step: tuple | None = None
-
-    def _tables(self, positions: torch.Tensor) -> tuple:
-        """(cos, sin, signed) of `positions`, [T, 1, D/2] each, signed = ([cos, cos], [-sin, sin]) for
-        `_rotate_signed` or None (long steps, odd rotary_dim); gathered once per step."""
-        step = self._step
-        if step is not None and step[0] is positions and step[1] is not None:
-            return step[1]
-        cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        signed = None
-        if positions.numel() <= ROPE_SIGNED_MAX_ROWS and self.rotary_dim % 2 == 0:
-            signed = (torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1))
-        if step is not None and step[0] is positions:
-            self._step = (positions, (cos, sin, signed))
-        return cos, sin, signed
-
-    def reference(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        qk = _adjacent_heads(q, k)  # q and k side by side in one projection row: one pass for both
-        if qk is not None and self.rotary_dim == qk.shape[-1]:
-            out = cpu_kernels.rope(qk, positions, self.cos_sin_cache)  # a CPU decode step: one C pass
-            if out is not None:
-                return out[:, :q.shape[1]], out[:, q.shape[1]:]
-        cos, sin, signed = self._tables(positions)
-        if qk is not None:
-            if signed is not None and qk.dtype == torch.float32 and self.rotary_dim == qk.shape[-1]:
-                out = _rotate_signed(qk, *signed)
-            else:
-                out = _rotate(qk, cos, sin, self.rotary_dim)
-            return out[:, :q.shape[1]], out[:, q.shape[1]:]
-        return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = super().forward(input_ids)
+        if self.scale is None:
+            return hidden
+        return hidden * torch.tensor(self.scale, dtype=hidden.dtype)
 
 
-def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
-    """[T, Hq + Hk, D] view over q and k when k's heads directly follow q's in the same rows
-    (q and k split from one qkv projection), else None."""
-    if (q.dim() != 3 or k.dim() != 3 or q.dtype != k.dtype or q.shape[0] != k.shape[0]
-            or q.shape[2] != k.shape[2] or q.stride() != k.stride() or q.stride(2) != 1
-            or q.stride(1) != q.shape[2] or q.device != k.device
-            or k.data_ptr() != q.data_ptr() + q.shape[1] * q.shape[2] * q.element_size()
-            or q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr()):
-        return None
-    return q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride())
-
-
-def _rotate_signed(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
-    """`_rotate` of a float32 x over its whole last dim in 4 kernels instead of 7, from the step's
-    [cos, cos] and [-sin, sin] tables: [x2, x1] * [-sin, sin] + x * [cos, cos]. Bit for bit the same
-    (negation is exact, addition commutes); faster for a decode step's few rows only (measured
-    slower at 1230 rows on a 2-core CPU), hence ROPE_SIGNED_MAX_ROWS."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x2, x1], dim=-1).mul_(sin2).add_(x * cos2)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
-    """[x1*cos - x2*sin, x2*cos + x1*sin] on the first rotary_dim features (HF's rotate_half
-    form, same roundings), computed in float32 straight into the halves of one output."""
-    whole = rotary_dim == x.shape[-1]
-    rot = x if whole else x[..., :rotary_dim]
-    if rot.dtype != torch.float32:
-        rot = rot.float()
-    x1, x2 = rot.chunk(2, dim=-1)
-    out = torch.empty(rot.shape, dtype=torch.float32, device=x.device)
-    o1, o2 = out.chunk(2, dim=-1)
-    torch.mul(x1, cos, out=o1).sub_(x2 * sin)
-    torch.mul(x2, cos, out=o2).add_(x1 * sin)
-    if x.dtype != torch.float32:
-        out = out.to(x.dtype)
-    return out if whole else torch.cat([out, x[..., rotary_dim:]], dim=-1)
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap) (Gemma's logit soft-capping), in x's dtype; cap None: x."""
+    if cap is None:
+        return x
+    return torch.tanh(x / cap) * cap
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up packed in one matmul."""
+    """down(act(gate(x)) * up(x)) with gate and up packed in one matmul; act is SiLU (`silu`) or
+    GELU with the tanh approximation (`gelu_tanh`, Gemma's gelu_pytorch_tanh)."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool, activation: str = "silu") -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {activation!r}; supported: {', '.join(sorted(ACTIVATIONS))}")
+        self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.activation = activation
+        self.activate = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.activate(self.gate_up_proj(x)))
 
     @staticmethod
-    def activate(gate_up: torch.Tensor) -> torch.Tensor:
+    def activate_gelu_tanh(gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu_tanh(gate) * up (HF's GELUTanh): one Triton kernel on CUDA, else the torch ops."""
+        kernels = fused(gate_up)
+        if kernels is not None and gate_up.dim() == 2:
+            return kernels.gelu_tanh_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh").mul_(up)
+
+    @staticmethod
+    def activate_silu(gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of gate_up_proj's output, what down_proj reads."""
         kernels = fused(gate_up)
         if kernels is not None:
@@ -456,3 +471,15 @@ class GatedMLP(nn.Module):
             return out
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)  # silu(gate) * up, one temporary
+
+
+ACTIVATIONS = {"silu": GatedMLP.activate_silu, "gelu_tanh": GatedMLP.activate_gelu_tanh}
+"""Gated activations by name; HF's hidden_act names map here through `activation_name`."""
+_HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def activation_name(hf_name: str) -> str:
+    """Our activation for a config's hidden_act / hidden_activation (a clear error if unsupported)."""
+    if hf_name not in _HF_ACTIVATIONS:
+        raise ValueError(f"unsupported hidden activation {hf_name!r}; supported: {', '.join(sorted(_HF_ACTIVATIONS))}")
+    return _HF_ACTIVATIONS[hf_name]

@@ -1,9 +1,12 @@
 """Checkpoint -> module: safetensors straight into the parameters, or random `dummy` weights.
 
-Tensors are read one at a time from memory-mapped safetensors files and copied into the
-(already allocated, already typed) parameters, so the weights never exist twice in memory.
-HF names map to ours one to one, except q/k/v_proj -> qkv_proj and gate/up_proj ->
-gate_up_proj, which are packed for one matmul each.
+Tensors are read one at a time from memory-mapped safetensors files: each, as a safetensors slice
+that the receiving loader reads (all of it here; a tensor-parallel rank would read its part), goes to the
+`weight_loader(param, loaded_tensor, shard_id)` of the module that owns its parameter (the vLLM /
+nano-vllm pattern): the layer knows its own layout, so packed q/k/v (shard ids "q", "k", "v"),
+packed gate/up (0, 1) and tensors stored already fused (Phi-3's qkv_proj and gate_up_proj, shard id
+None) are one mechanism. HF names map to ours one to one except where the family's
+`packed_modules` names a packed target. The weights never exist twice in memory.
 
 Damage fails here, not as garbage text later: each file's header is checked against its size
 (models/safetensors_file.py), a missing tensor or a wrong shape is named with the expected and
@@ -27,21 +30,15 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from models.causal_lm import CausalLM
 from models.hf_config import CheckpointError, ModelSpec
-from models.llama import LlamaForCausalLM
+from models.layers import OffsetRMSNorm, WeightLoadError, default_weight_loader
+from models.registry import model_class
 from models.safetensors_file import DamagedCheckpointError, read_safetensors_header
 
 logger = logging.getLogger(__name__)
 
-_PACKED = {  # HF projection -> (our packed projection, shard id)
-    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-class WeightLoadError(ValueError):
-    """A checkpoint tensor is missing, unexpected, or of the wrong shape."""
 
 
 class NonFiniteWeightError(WeightLoadError):
@@ -98,16 +95,8 @@ class _FiniteCheck:
                     f"(check_finite_weights=False skips this check)")
 
 
-def _shard_slice(model: LlamaForCausalLM, packed: str, shard) -> tuple[int, int]:
-    spec = model.spec
-    if packed == "gate_up_proj":
-        return shard * spec.intermediate_size, (shard + 1) * spec.intermediate_size
-    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    return {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}[shard]
-
-
-def _target(model: LlamaForCausalLM, name: str) -> tuple[str, object] | None:
-    """Our (parameter name, shard) for a checkpoint tensor; None if another rank owns it."""
+def _target(model: CausalLM, name: str) -> tuple[str, object] | None:
+    """Our (parameter name, shard id) for a checkpoint tensor; None if another rank owns it."""
     if name.endswith("rotary_emb.inv_freq"):
         return None
     layer = _LAYER.match(name)
@@ -117,51 +106,72 @@ def _target(model: LlamaForCausalLM, name: str) -> tuple[str, object] | None:
     if name == "model.embed_tokens.weight":
         if first:
             return name, None
-        return ("lm_head.weight", None) if last and model.spec.tie_word_embeddings else None
+        return ("lm_head.weight", "tied") if last and model.spec.tie_word_embeddings else None
     if name == "lm_head.weight" and model.spec.tie_word_embeddings:
         return None  # tied: the embedding is the head; HF ignores a stored copy too
     if (name == "model.norm.weight" or name == "lm_head.weight") and not last:
         return None
     parts = name.split(".")
-    if len(parts) >= 2 and parts[-2] in _PACKED:
-        packed, shard = _PACKED[parts[-2]]
+    if len(parts) >= 2 and parts[-2] in model.packed_modules:
+        packed, shard = model.packed_modules[parts[-2]]
         return ".".join(parts[:-2] + [packed, parts[-1]]), shard
     return name, None
 
 
-def _checkpoint_name(param: str, shard) -> str:
-    if shard == "tied":
-        return "model.embed_tokens.weight"
-    if shard is None:
-        return param
-    inverse = {v: k for k, v in _PACKED.items()}
-    parts = param.split(".")
-    return ".".join(parts[:-2] + [inverse[(parts[-2], shard)], parts[-1]])
+def _owner(model: nn.Module, param_name: str) -> nn.Module:
+    return model.get_submodule(param_name.rpartition(".")[0])
 
 
-def _expected(model: LlamaForCausalLM) -> set[tuple[str, object]]:
+def _expected(model: CausalLM) -> set[tuple[str, object]]:
+    """(parameter, shard id) pairs a complete checkpoint fills: a packed parameter's shards, or
+    (parameter, None) where the family's checkpoints store it whole."""
+    packed_targets = {target for target, _ in model.packed_modules.values()}
     expected = set()
     for name, _ in model.named_parameters():
-        packed = name.split(".")[-2]
-        shards = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": (0, 1)}.get(packed, (None,))
-        expected.update((name, s) for s in shards)
+        owner = _owner(model, name)
+        shards = getattr(owner, "shard_ids", ()) if name.split(".")[-2] in packed_targets else ()
+        expected.update((name, s) for s in shards or (None,))
     if model.spec.tie_word_embeddings and model.model.is_last and not model.model.is_first:
         expected.discard(("lm_head.weight", None))
         expected.add(("lm_head.weight", "tied"))
     return expected
 
 
-def _destination(model: LlamaForCausalLM, params: dict[str, nn.Parameter], param_name: str, shard) -> torch.Tensor:
-    """Where a checkpoint tensor goes: the parameter, or its shard's rows of a packed one."""
-    dest = params[param_name].data
-    if shard not in (None, "tied"):
-        start, stop = _shard_slice(model, param_name.split(".")[-2], shard)
-        dest = dest[start:stop]
-    return dest
+def _checkpoint_name(model: CausalLM, param: str, shard) -> str:
+    if shard == "tied":
+        return "model.embed_tokens.weight"
+    if shard is None:
+        return param
+    inverse = {v: k for k, v in model.packed_modules.items()}
+    parts = param.split(".")
+    return ".".join(parts[:-2] + [inverse[(parts[-2], shard)], parts[-1]])
+
+
+def destination(model: CausalLM, param_name: str, shard) -> torch.Tensor:
+    """Where a checkpoint tensor lands: the parameter, or its shard's rows of a packed one (for
+    messages and checks that need the expected shape or the loaded values)."""
+    param = model.get_parameter(param_name)
+    owner = _owner(model, param_name)
+    if shard in (None, "tied") or not hasattr(owner, "shard_view"):
+        return param.data
+    return owner.shard_view(param, shard)
+
+
+def _load_one(model: CausalLM, params: dict, param_name: str, shard, tensor) -> None:
+    """Hand one checkpoint tensor (a safetensors slice, read by the loader that takes it) to the
+    weight_loader of the module that owns the parameter."""
+    param = params[param_name]
+    if shard == "tied":   # the head of a rank without the embedding, loaded from the embedding
+        default_weight_loader(param, tensor)
+        return
+    loader = getattr(_owner(model, param_name), "weight_loader", None) or default_weight_loader
+    loader(param, tensor, shard)
 
 
 @torch.no_grad()
-def load_safetensors(model: LlamaForCausalLM, folder: Path, check_finite: bool = True) -> None:
+def load_safetensors(model: CausalLM, folder: Path, check_finite: bool = True) -> None:
+    """Walk the checkpoint once; every tensor goes to its parameter's weight_loader
+    (`check_finite`: then fail on NaN/Inf in what was loaded, naming the tensor)."""
     files = checkpoint_tensor_files(folder)
     params = dict(model.named_parameters())
     expected, loaded = _expected(model), set()
@@ -182,21 +192,20 @@ def load_safetensors(model: LlamaForCausalLM, folder: Path, check_finite: bool =
                 if param_name not in params:
                     raise WeightLoadError(f"unexpected tensor {name!r} in {file.name}: no such parameter "
                                           f"in {model.spec.architecture}")
-                dest = _destination(model, params, param_name, shard)
                 if name not in present:
-                    raise WeightLoadError(f"missing tensor {name!r} (expected shape {tuple(dest.shape)}, found none): "
+                    raise WeightLoadError(f"missing tensor {name!r} (expected shape "
+                                          f"{tuple(destination(model, param_name, shard).shape)}, found none): "
                                           f"the index names {file.name}, which lacks it")
-                tensor = handle.get_tensor(name)
-                if tuple(tensor.shape) != tuple(dest.shape):
-                    raise WeightLoadError(f"shape mismatch for {name!r} in {file.name}: expected "
-                                          f"{tuple(dest.shape)}, found {tuple(tensor.shape)}")
-                dest.copy_(tensor)
+                try:
+                    _load_one(model, params, param_name, shard, handle.get_slice(name))
+                except WeightLoadError as error:
+                    raise WeightLoadError(f"shape mismatch for {name!r} in {file.name}: {error}") from None
                 if check_finite:
-                    finite.add(name, file, dest)
-                is_tied_head = param_name == "lm_head.weight" and name == "model.embed_tokens.weight"
-                loaded.add((param_name, "tied" if is_tied_head else shard))
-    missing = sorted((_checkpoint_name(p, s), tuple(_destination(model, params, p, s).shape))
-                     for p, s in expected - loaded)
+                    finite.add(name, file, destination(model, param_name, shard))
+                loaded.add((param_name, shard))
+    # A packed parameter stored whole (shard id None) covers its shards too.
+    missing = sorted((_checkpoint_name(model, p, s), tuple(destination(model, p, s).shape))
+                     for p, s in expected - loaded if (p, None) not in loaded)
     if missing:
         searched = ", ".join(sorted({f.name for f in files.values()}))
         listed = ", ".join(f"{name!r} (expected shape {shape}, found none)" for name, shape in missing)
@@ -213,23 +222,22 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     for name, param in model.named_parameters():
         if generator is None:
             generator = torch.Generator(device=param.device).manual_seed(seed)
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
+        if name.endswith("norm.weight"):   # an OffsetRMSNorm multiplies by 1 + weight
+            param.fill_(0.0 if isinstance(_owner(model, name), OffsetRMSNorm) else 1.0)
         else:
             param.normal_(0.0, 0.02, generator=generator)
 
 
 def build_model(spec: ModelSpec, folder: str | Path, *, device: torch.device, dtype: torch.dtype,
                 load_format: str = "auto", layer_range: range | None = None,
-                max_positions: int | None = None, seed: int = 0,
-                check_finite: bool = True) -> LlamaForCausalLM:
+                max_positions: int | None = None, seed: int = 0, check_finite: bool = True) -> CausalLM:
     """Allocate the module on `device` in `dtype` without initialising it, then fill it
     (`check_finite`: fail on NaN/Inf in the checkpoint's tensors)."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(spec, layer_range, max_positions)
+            model = model_class(spec.architecture)(spec, layer_range, max_positions)
     finally:
         torch.set_default_dtype(default_dtype)
     model.to_empty(device=device)

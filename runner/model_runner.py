@@ -22,7 +22,7 @@ from attention.forward_context import ForwardContext, get_forward_context, set_f
 from configs import CUDAGraphMode, EngineConfig, SamplingParams, set_active_kernel_config
 from models.hf_config import ModelSpec
 from models.layers import screened_argmax
-from models.llama import IntermediateTensors
+from models.causal_lm import IntermediateTensors
 from models.loader import build_model
 from runner.cudagraph import (CUDA_GRAPHS, AddressCheck, BatchDescriptor, CapturePhase, CUDAGraphWrapper,
                               CudagraphDispatcher, capture_all, default_capture_sizes, graph_pool,
@@ -405,8 +405,9 @@ class ModelRunner:
         if isinstance(out, DecodeOutput) and len(rows) == len(reqs):
             return out.greedy[:len(reqs)]
         if (self.device.type == "cpu" and not isinstance(out, DecodeOutput) and common.uniform_decode
-                and len(rows) == len(reqs)):
-            # A CPU decode step: the LM head read in bf16 first, fp32 only near the top (exact).
+                and len(rows) == len(reqs) and self.model.final_logit_softcapping is None):
+            # A CPU decode step: the LM head read in bf16 first, fp32 only near the top (exact; a
+            # soft-capped head's ties may fall elsewhere, so those take the logits below).
             tokens = screened_argmax(out[:len(reqs)], self.model.lm_head)
             if tokens is not None:
                 return tokens

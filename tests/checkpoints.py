@@ -20,8 +20,9 @@ import math
 from pathlib import Path
 
 import torch
-from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedModel,
-                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
+                          LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM,
+                          PreTrainedModel, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -36,6 +37,20 @@ FAMILIES: dict[str, tuple[type, type, dict]] = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict()),  # q/k/v biases are built in
     # head_dim 32 with 4 heads: q_proj is 64 -> 128, so head_dim != hidden / heads.
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=32, num_hidden_layers=3)),
+    # Fused qkv_proj / gate_up_proj in the checkpoint; original_max_position_embeddings 64 < 256 so
+    # longrope's short/long factors (rope_scaling="longrope") both matter at tiny sizes.
+    "phi3": (Phi3Config, Phi3ForCausalLM, dict(original_max_position_embeddings=64)),
+    # Soft-caps small enough to bend these scores and logits; window 8 < the test prompts;
+    # layers alternate sliding / global (HF's default layer_types); head_dim != hidden / heads.
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM, dict(head_dim=32, num_hidden_layers=3, query_pre_attn_scalar=24,
+                                                     sliding_window=8, attn_logit_softcapping=3.0,
+                                                     final_logit_softcapping=10.0)),
+    # 5 local layers then 1 global (HF's default layer_types for 6 layers), two RoPE bases, the
+    # global one linearly scaled; window 8.
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, dict(
+        head_dim=32, num_hidden_layers=6, query_pre_attn_scalar=24, sliding_window=8,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}})),
 }
 
 ROPE_SCALINGS = {
@@ -44,6 +59,9 @@ ROPE_SCALINGS = {
     "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=64),
     "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64),
+    # Phi-3's su scaling: one factor per rotary frequency (head_dim 16 -> 8), short and long distinct.
+    "longrope": dict(rope_type="longrope", short_factor=[1.0 + 0.1 * i for i in range(8)],
+                     long_factor=[2.0 + 0.5 * i for i in range(8)], original_max_position_embeddings=64),
 }
 
 
@@ -106,8 +124,8 @@ def make_tiny_checkpoint(path: str | Path, family: str, *, tie_word_embeddings: 
     if isinstance(rope_scaling, str):
         rope_scaling = ROPE_SCALINGS[rope_scaling]
     theta = rope_theta if rope_theta is not None else (500000.0 if rope_scaling else 10000.0)
-    kwargs = {**TINY, **family_kwargs, "tie_word_embeddings": tie_word_embeddings,
-              **_rope_kwargs(config_cls, theta, rope_scaling), **overrides}
+    rope = {} if "rope_parameters" in family_kwargs else _rope_kwargs(config_cls, theta, rope_scaling)
+    kwargs = {**TINY, **family_kwargs, "tie_word_embeddings": tie_word_embeddings, **rope, **overrides}
     config = config_cls(**kwargs)
 
     torch.manual_seed(seed)

@@ -52,8 +52,10 @@ def make_batch(query_lens: list[int], context_lens: list[int], *, num_q_heads: i
                       num_actual, head_dim ** -0.5)
 
 
-def reference_attention(b: PagedBatch) -> torch.Tensor:
-    """float64 on the CPU, one request at a time, K/V gathered through the block table."""
+def reference_attention(b: PagedBatch, sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+    """float64 on the CPU, one request at a time, K/V gathered through the block table. With
+    `sliding_window` a query at position p sees keys p - window < k <= p; with `soft_cap` scores
+    become cap * tanh(score / cap)."""
     b = PagedBatch(*(t.cpu() for t in (b.query, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_table,
                                        b.slot_mapping)), b.num_actual_tokens, b.scale)
     num_q_heads, num_kv_heads = b.query.shape[1], b.kv_cache.shape[3]
@@ -71,6 +73,9 @@ def reference_attention(b: PagedBatch) -> torch.Tensor:
             q_pos = seq_len - (end - start) + i
             for h in range(num_q_heads):
                 kh = h // (num_q_heads // num_kv_heads)
-                scores = k[: q_pos + 1, kh] @ b.query[start + i, h].double() * b.scale
-                out[start + i, h] = torch.softmax(scores, 0) @ v[: q_pos + 1, kh]
+                first = 0 if sliding_window is None else max(0, q_pos - sliding_window + 1)
+                scores = k[first: q_pos + 1, kh] @ b.query[start + i, h].double() * b.scale
+                if soft_cap is not None:
+                    scores = torch.tanh(scores / soft_cap) * soft_cap
+                out[start + i, h] = torch.softmax(scores, 0) @ v[first: q_pos + 1, kh]
     return out

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from models import model_spec
-from models.layers import rope_inverse_frequencies
+from models.rotary import rope_inverse_frequencies
 from runner.benchmarks import decode as bench_decode
 from runner.benchmarks import throughput as bench_throughput
 from runner.benchmarks.model_shapes import SHAPES, kv_bytes_per_token, parameter_bytes, write_config

@@ -81,7 +81,7 @@ def test_no_compiler_keeps_the_torch_path(monkeypatch):
 def test_c_rope_is_bit_identical_to_the_torch_rotation():
     from transformers import LlamaConfig
 
-    from models.layers import RotaryEmbedding, _adjacent_heads, _rotate, _rotate_signed
+    from models.rotary import RotaryEmbedding, _adjacent_heads, _rotate, _rotate_signed
     rotary = RotaryEmbedding(LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2), 512)
     gen = torch.Generator().manual_seed(3)
     tokens, hq, hk, dim = 24, 4, 2, 64
@@ -328,7 +328,8 @@ def test_a_build_without_avx512_keeps_the_portable_kernels_and_declines_the_rest
     """What a CPU without AVX-512 builds (-march=x86-64-v2 here): norm, RoPE and the screen in plain C,
     with the same answers; SiLU*mul and the attention decline, so torch's ops run."""
     from launch import native_build
-    from models.layers import _rotate, _screen_candidates
+    from models.layers import _screen_candidates
+    from models.rotary import _rotate
     portable = cpu_kernels.build(native_build.compiler(), march="x86-64-v2", out_dir=tmp_path)
     assert portable is not None and not portable.gr_has_avx512() and not portable.vector_exp
     results = {}

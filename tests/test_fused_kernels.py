@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from models import layers
+from models import layers, rotary as rotary_module
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
@@ -48,12 +48,19 @@ def test_silu_and_mul(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul(dtype):
+    """Gemma's gated activation against the torch reference of models/layers.GatedMLP."""
+    x = torch.randn(5, 2 * 1100, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype) * 3
+    _close(fused_kernels.gelu_tanh_and_mul(x), layers.GatedMLP.activate_gelu_tanh(x.cpu()).to(DEVICE), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (9, 3, 64), (4, 4, 24)])
 def test_rope_on_strided_q_and_k(dtype, heads, kv_heads, head_dim):
     from transformers import LlamaConfig
     config = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
                          head_dim=head_dim, max_position_embeddings=64)
-    rotary = layers.RotaryEmbedding(config, 64).to(DEVICE)
+    rotary = rotary_module.RotaryEmbedding(config, 64).to(DEVICE)
     g = torch.Generator().manual_seed(head_dim)
     qkv = torch.randn(6, (heads + 2 * kv_heads) * head_dim, generator=g).to(DEVICE, dtype)
     q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
@@ -73,7 +80,7 @@ def test_rope_and_cache_rotates_q_and_writes_rotated_k_and_v_at_slots(dtype, hea
     from attention.backends.torch_sdpa import write_kv
     config = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
                          head_dim=head_dim, max_position_embeddings=64)
-    rotary = layers.RotaryEmbedding(config, 64).to(DEVICE)
+    rotary = rotary_module.RotaryEmbedding(config, 64).to(DEVICE)
     g = torch.Generator().manual_seed(head_dim + heads)
     tokens, block_size, num_blocks = 6, 4, 5
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(DEVICE, dtype)

@@ -24,6 +24,13 @@ CASES = {
     "llama3_rope": ("llama_gqa", {"rope_scaling": "llama3"}),
     "yarn_rope": ("llama", {"rope_scaling": "yarn"}),
     "sharded": ("llama_gqa", {"sharded": True}),
+    "mistral_window": ("mistral", {"sliding_window": 12}),
+    "phi3_fused": ("phi3", {}),
+    "phi3_window": ("phi3", {"sliding_window": 12}),
+    "gemma2": ("gemma2", {}),
+    "gemma2_tied": ("gemma2", {"tie_word_embeddings": True}),
+    "gemma3": ("gemma3", {}),
+    "gemma3_final_softcap": ("gemma3", {"final_logit_softcapping": 10.0}),
 }
 
 
@@ -42,6 +49,98 @@ def test_prefill_logits_match_hf(tmp_path, case):
         expected = hf_prefill_logits(hf, prompt)
         assert got.shape == expected.shape
         assert (got - expected).abs().max().item() < 1e-4, case
+
+
+@pytest.mark.parametrize("max_positions,lengths", [(64, (7, 33, 64)), (256, (65, 150))], ids=["short", "long"])
+def test_phi3_longrope_factors_follow_max_model_len(tmp_path, max_positions, lengths):
+    """Phi-3's su / longrope scaling: HF rotates with the short factors while the sequence is at most
+    original_max_position_embeddings (64 here) and with the long ones beyond. Our table is chosen once
+    by max_model_len (models/rotary.py, rope_inverse_frequencies): at 64, short factors, HF's for every
+    sequence the engine accepts; at 256, long factors, HF's for prompts past 64 tokens."""
+    path, hf = make_tiny_checkpoint(tmp_path / "phi3", "phi3", rope_scaling="longrope")
+    spec = model_spec(load_hf_config(path))
+    ours = build_model(spec, path, device=torch.device("cpu"), dtype=torch.float32, max_positions=max_positions)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
+    for got, prompt in zip(prefill_logits(ours, prompts), prompts):
+        assert (got - hf_prefill_logits(hf, prompt)).abs().max().item() < 1e-4
+    factors = "long_factor" if max_positions > 64 else "short_factor"
+    rotary = ours.model.rotary_emb
+    params = spec.hf_config.rope_parameters
+    inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, 16, 2).float() / 16)) / torch.tensor(params[factors])
+    assert torch.allclose(rotary.cos_sin_cache[1, :8] / rotary.cos_sin_cache[0, 0], torch.cos(inv_freq), atol=1e-6)
+
+
+def test_phi3_loads_fused_tensors_as_stored(tmp_path):
+    """Phi-3's checkpoint holds qkv_proj and gate_up_proj already fused: they load whole (shard id
+    None) through the same weight_loader that packs Llama's q/k/v and gate/up shards."""
+    path, hf = make_tiny_checkpoint(tmp_path / "phi3", "phi3")
+    stored = load_file(path / "model.safetensors")
+    assert "model.layers.0.self_attn.qkv_proj.weight" in stored and "model.layers.0.mlp.gate_up_proj.weight" in stored
+    ours = load_ours(path)
+    assert torch.equal(ours.model.layers["0"].self_attn.qkv_proj.weight, stored["model.layers.0.self_attn.qkv_proj.weight"])
+    assert torch.equal(ours.model.layers["1"].mlp.gate_up_proj.weight, stored["model.layers.1.mlp.gate_up_proj.weight"])
+    _rewrite(path, lambda t: t.pop("model.layers.1.self_attn.qkv_proj.weight"))
+    with pytest.raises(WeightLoadError, match=r"missing tensor.*model\.layers\.1\.self_attn\.qkv_proj\.weight"):
+        load_ours(path)
+
+
+def test_weight_loader_places_shards():
+    """QKVLinear / MergedLinear: each shard id lands in its rows; a whole tensor fills all of them;
+    a wrong shape names expected and found."""
+    from models.layers import MergedLinear, QKVLinear
+    qkv = QKVLinear(8, num_heads=4, num_kv_heads=2, head_dim=2, bias=True)
+    q, k, v = torch.randn(8, 8), torch.randn(4, 8), torch.randn(4, 8)
+    for shard, tensor in (("q", q), ("k", k), ("v", v)):
+        qkv.weight_loader(qkv.weight, tensor, shard)
+    assert torch.equal(qkv.weight.data, torch.cat([q, k, v]))
+    qkv.weight_loader(qkv.bias, torch.arange(16.0), None)
+    assert torch.equal(qkv.bias.data, torch.arange(16.0))
+    gate_up = MergedLinear(8, [3, 3], bias=False)
+    gate, up = torch.randn(3, 8), torch.randn(3, 8)
+    gate_up.weight_loader(gate_up.weight, up, 1)
+    gate_up.weight_loader(gate_up.weight, gate, 0)
+    assert torch.equal(gate_up.weight.data, torch.cat([gate, up]))
+    with pytest.raises(WeightLoadError, match=r"expected \(4, 8\), found \(5, 8\)"):
+        qkv.weight_loader(qkv.weight, torch.zeros(5, 8), "k")
+
+
+def test_weight_loader_takes_unread_safetensors_slices(tmp_path):
+    """The loader hands each weight_loader a safetensors slice (`get_slice`), which it reads itself:
+    the place a tensor-parallel rank would read only its rows."""
+    from safetensors import safe_open
+
+    from models.layers import QKVLinear
+    k = torch.randn(4, 8)
+    save_file({"k": k, "wrong": torch.zeros(5, 8)}, tmp_path / "t.safetensors")
+    qkv = QKVLinear(8, num_heads=4, num_kv_heads=2, head_dim=2, bias=False)
+    with safe_open(tmp_path / "t.safetensors", framework="pt") as handle:
+        qkv.weight_loader(qkv.weight, handle.get_slice("k"), "k")
+        with pytest.raises(WeightLoadError, match=r"expected \(4, 8\), found \(5, 8\)"):
+            qkv.weight_loader(qkv.weight, handle.get_slice("wrong"), "v")
+    assert torch.equal(qkv.weight.data[8:12], k)
+
+
+def test_registry_builds_each_family_from_its_module():
+    from models.registry import ARCHITECTURES, model_class
+    for arch, family in ARCHITECTURES.items():
+        cls = model_class(arch)
+        assert cls.__module__ == family.module and cls.__name__ == family.class_name
+
+
+def test_gemma_layers_carry_window_soft_cap_and_scale(tmp_path):
+    gemma2 = load_ours(make_tiny_checkpoint(tmp_path / "g2", "gemma2")[0])
+    attn = [gemma2.model.layers[str(i)].self_attn.attn for i in range(3)]
+    assert [a.sliding_window for a in attn] == [8, None, 8]
+    assert all(a.logits_soft_cap == 3.0 and a.scale == 24 ** -0.5 for a in attn)
+    assert gemma2.final_logit_softcapping == 10.0
+    gemma3 = load_ours(make_tiny_checkpoint(tmp_path / "g3", "gemma3")[0])
+    layers = [gemma3.model.layers[str(i)].self_attn for i in range(6)]
+    assert [l.attn.sliding_window for l in layers] == [8] * 5 + [None]
+    local, glob = layers[0].attn.rotary, layers[5].attn.rotary
+    assert local is layers[4].attn.rotary and local is not glob
+    assert not torch.allclose(local.cos_sin_cache, glob.cos_sin_cache)
+    assert hasattr(layers[0], "q_norm") and gemma3.final_logit_softcapping is None
 
 
 def test_family_flags_reach_the_module(tmp_path):
@@ -167,7 +266,7 @@ def test_bad_config_values_name_the_field():
 
 def test_decode_rope_signed_tables_match_rotate_bit_for_bit():
     """A decode step's RoPE (`_rotate_signed`, 4 kernels) gives `_rotate`'s bits (HF's rounding)."""
-    from models.layers import _rotate, _rotate_signed
+    from models.rotary import _rotate, _rotate_signed
     g = torch.Generator().manual_seed(0)
     for rows in (1, 7, 32, 64):
         qkv = torch.randn(rows, 15 * 64, generator=g) * 4

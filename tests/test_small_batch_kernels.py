@@ -158,7 +158,7 @@ and the third."""
 
 
 def _qkv_rope_inputs(hq, hkv, dim, k, dtype, residual, bias, seed):
-    from models.layers import RotaryEmbedding
+    from models.rotary import RotaryEmbedding
     from transformers import LlamaConfig
 
     x, res, norm, weight, b = _inputs(1, k, (hq + 2 * hkv) * dim, dtype, residual, bias, seed)
@@ -281,6 +281,7 @@ def test_model_logits_same_with_small_batch_path_forced(tmp_path, monkeypatch, f
 
     spy, calls = _spy()
     monkeypatch.setattr(llama, "small_batch", lambda x: spy)
+    monkeypatch.setattr(layers, "small_batch", lambda x: spy)   # Linear's dispatch: the LM head
     got = [prefill_logits(model, prompts) for prompts in batches]
     layers_run = 2 * model.num_local_layers
     assert calls["norm_linear"] == layers_run

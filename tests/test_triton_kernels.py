@@ -113,6 +113,38 @@ def test_mixed_batch_with_padding_in_one_launch(num_splits):
     check(b, run_attention(b, num_splits=num_splits), 1e-5)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window,soft_cap", [(5, None), (None, 2.0), (37, 1.5), (1, None)],
+                         ids=["window", "softcap", "window+softcap", "window1"])
+def test_sliding_window_and_soft_cap_match_the_reference(window, soft_cap, num_splits):
+    """Gemma-style layers: a sliding window (keys p - window < k <= p; tiles before the block's first
+    visible key are skipped, so a window shorter than a tile, one crossing tiles and a window of one
+    are all covered) and score soft-capping, in decode, prefill, chunked prefill and padded rows,
+    with and without split KV. Scores here are O(1..5): a cap of 1.5-2 bends them visibly."""
+    b = make_batch([1, 9, 4, 1, 30], [50, 0, 20, 0, 3], num_q_heads=4, num_kv_heads=2, head_dim=16,
+                   block_size=16, pad_tokens=3, pad_reqs=2, seed=7)
+    b.query *= 4
+    out = torch.full_like(b.query, float("nan"))
+    unified_attention(b.query, b.kv_cache, out, b.query_start_loc, b.seq_lens, b.block_table, b.scale,
+                      num_splits=num_splits, sliding_window=window, soft_cap=soft_cap)
+    assert torch.isfinite(out).all() and (out[b.num_actual_tokens:] == 0).all()
+    ref = reference_attention(b, window, soft_cap)[: b.num_actual_tokens]
+    torch.testing.assert_close(out[: b.num_actual_tokens].cpu().double(), ref, atol=1e-5, rtol=1e-5)
+    if window is not None or soft_cap is not None:   # the options change the answer at these sizes
+        assert not torch.allclose(ref, reference_attention(b)[: b.num_actual_tokens], atol=1e-3)
+
+
+def test_step_attention_keys_layers_by_window_and_soft_cap():
+    """Two layers that differ only in window / soft-cap never share a bound launch."""
+    from attention.kernels import unified_attention as ua
+    b = make_batch([1, 1], [40, 20], num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=16, seed=2)
+    step = ua.StepAttention(b.query_start_loc, b.seq_lens, b.block_table, None)
+    for window, cap in [(None, None), (4, None), (None, 1.0), (4, 1.0), (None, None)]:
+        out = torch.full_like(b.query, float("nan"))
+        step(b.query, b.kv_cache, out, b.scale, window, cap)
+        torch.testing.assert_close(out.cpu().double(), reference_attention(b, window, cap), atol=1e-5, rtol=1e-5)
+
+
 @pytest.fixture(autouse=True)
 def _split_every_tile(monkeypatch, kernel_switches):
     """These tests' contexts are a few KV tiles long: let a split take a single tile (the default
@@ -288,12 +320,13 @@ def test_backend_skips_the_kv_write_the_layer_did_and_fits_splits_only_outside_f
             self.max_seq_len = max_seq_len
             calls.append("new step")
 
-        def __call__(self, query, kv_cache, out, scale):
+        def __call__(self, query, kv_cache, out, scale, sliding_window=None, soft_cap=None):
             calls.append(("attention", self.max_seq_len))
 
     monkeypatch.setattr(triton_paged, "write_kv", lambda *a: calls.append("write_kv"))
     monkeypatch.setattr(triton_paged, "unified_attention",
-                        lambda *a, max_seq_len=None: calls.append(("attention", max_seq_len)))
+                        lambda *a, max_seq_len=None, sliding_window=None, soft_cap=None:
+                        calls.append(("attention", max_seq_len)))
     monkeypatch.setattr(triton_paged, "StepAttention", FakeStepAttention)
     backend = triton_paged.TritonPagedBackend()
     assert backend.kv_written_by_layer

@@ -26,6 +26,11 @@ bookkeeping proves it equal to the cache (same slots, no write to them since), e
 gathered again; the copy is dropped when it would exceed 1/8 of the layer's cache.
 Shapes depend on max_seq_len, so FULL graphs can't hold it (support NEVER); as a PIECEWISE
 break point it runs eagerly between graph segments and is fine.
+
+Per-layer sliding windows (`layer.sliding_window`) are one more additive mask per window, built
+from the step's causal mask by the first layer with that window (`_StepLayout.mask_for`); logit
+soft-capping (`layer.logits_soft_cap`, which SDPA lacks) takes the explicit matmul-softmax-matmul of
+HF's eager attention. The C decode kernel has neither: such layers take the torch path.
 """
 
 from __future__ import annotations
@@ -74,6 +79,23 @@ class _StepLayout:
     native_decode: bool = False
     """A decode step over a CPU fp32 cache: each layer's attention is one C call reading the paged cache
     (attention/backends/cpu_decode_attention.decode_attention); no mask, gather indices or dense copy are built."""
+    q_pos: torch.Tensor | None = None   # [R, max_q] absolute position of each query slot (host)
+    allowed: torch.Tensor | None = None # [R, max_q, kv_width] causal and within seq_len (host)
+    windowed: dict = field(default_factory=dict)
+    """sliding window -> its additive mask (`mask_for`), built by the first layer with that window."""
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """The step's mask for a layer with this sliding window (None: `mask`): a query at position
+        p also loses the keys at positions <= p - window."""
+        if window is None:
+            return self.mask
+        mask = self.windowed.get(window)
+        if mask is None:
+            kv_pos = torch.arange(self.allowed.shape[-1])
+            allowed = self.allowed & (kv_pos[None, None, :] > self.q_pos[:, :, None] - window)
+            mask = torch.zeros(allowed.shape, dtype=self.mask.dtype).masked_fill_(~allowed, float("-inf"))
+            mask = self.windowed[window] = mask[:, None].to(self.mask.device)
+        return mask
 
 
 @dataclass
@@ -139,7 +161,8 @@ def _layout(common: CommonAttentionMetadata, kv_cache: torch.Tensor | None, devi
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
     out_index = None if decode else q_valid.reshape(-1).nonzero().squeeze(1).to(device)
     return _StepLayout(actual, num_reqs, max_q, decode, None if decode else q_index.to(device), out_index,
-                       mask[:, None].to(device), kv_blocks, blocks, kv_index, slots, write_rows, dense, max_kv)
+                       mask[:, None].to(device), kv_blocks, blocks, kv_index, slots, write_rows, dense, max_kv,
+                       q_pos=q_pos, allowed=allowed)
 
 
 @dataclass
@@ -261,6 +284,16 @@ def _key_value(key: torch.Tensor, value: torch.Tensor, rows: int, write_rows: to
     return torch.stack([key.index_select(0, write_rows), value.index_select(0, write_rows)])
 
 
+def _soft_capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                           soft_cap: float) -> torch.Tensor:
+    """softmax(cap * tanh(q k^T * scale / cap) + mask) v, HF Gemma 2's eager attention step for
+    step (softmax in float32); SDPA has no soft-cap. q [..., Q, D], k/v [..., K, D], mask [..., Q, K]."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / soft_cap) * soft_cap + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
 class TorchSDPABackend(AttentionBackend):
     name = "torch"
     cudagraph_support = AttentionCGSupport.NEVER
@@ -277,11 +310,17 @@ class TorchSDPABackend(AttentionBackend):
             metadata = TorchSDPAMetadata(metadata)
         layout_key = None if kv_cache is None else (kv_cache.shape[1], kv_cache.shape[2])
         layout = metadata.layouts.get(layout_key)
+        window, soft_cap = getattr(layer, "sliding_window", None), getattr(layer, "logits_soft_cap", None)
+        plain = window is None and soft_cap is None   # what the C decode kernel computes
         if layout is None:
             native = cpu_decode_attention.native_attention()
             layout = metadata.layouts[layout_key] = _layout(metadata.common, kv_cache, query.device, query.dtype,
-                                                            self.dense_kv, native=native)
+                                                            self.dense_kv, native=plain and native)
         actual = layout.actual
+        if layout.native_decode and not plain:
+            # The C kernel has no window or soft-cap: this layer, and the rest of the step, take torch.
+            layout = metadata.layouts[layout_key] = _layout(metadata.common, kv_cache, query.device, query.dtype,
+                                                            self.dense_kv)
         if layout.native_decode:
             common = metadata.common
             if actual < out.shape[0]:
@@ -316,14 +355,24 @@ class TorchSDPABackend(AttentionBackend):
             shape = (num_reqs, max_q, num_kv_heads, head_dim)
             k = key.index_select(0, layout.kv_index).view(shape).transpose(1, 2)
             v = value.index_select(0, layout.kv_index).view(shape).transpose(1, 2)
+        mask = layout.mask_for(window)
         if layout.decode:
             # GQA folded: a KV head's `group` query heads are its query rows; one mask row serves all.
             q = query[:actual].unflatten(1, (num_kv_heads, group))                # [R, Hkv, group, D]
-            result = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, scale=layer.scale)
+            if soft_cap is None:
+                result = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scale)
+            else:
+                result = _soft_capped_attention(q, k, v, mask, layer.scale, soft_cap)
             out[:actual].unflatten(1, (num_kv_heads, group)).copy_(result)
             return
         q = query.index_select(0, layout.q_index).view(num_reqs, max_q, layer.num_heads, head_dim)
-        result = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=layout.mask, scale=layer.scale,
-                                                enable_gqa=group != 1)     # [R, Hq, max_q, D]
+        if soft_cap is None:
+            result = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=layer.scale,
+                                                    enable_gqa=group != 1)     # [R, Hq, max_q, D]
+        else:   # GQA as [R, Hkv, group * max_q] query rows against each KV head's keys
+            q = q.transpose(1, 2).reshape(num_reqs, num_kv_heads, group * max_q, head_dim)
+            mask = mask.unsqueeze(2).expand(-1, -1, group, -1, -1).reshape(num_reqs, 1, group * max_q, -1)
+            result = _soft_capped_attention(q, k, v, mask, layer.scale, soft_cap)
+            result = result.view(num_reqs, layer.num_heads, max_q, head_dim)
         result = result.transpose(1, 2).reshape(num_reqs * max_q, layer.num_heads, head_dim)
         out[:actual] = result.index_select(0, layout.out_index)

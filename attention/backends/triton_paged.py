@@ -52,9 +52,10 @@ class TritonPagedBackend(AttentionBackend):
         # step's layers share one bound launch (StepAttention: less host time per layer).
         if current_runtime_mode() == CUDAGraphMode.FULL:
             unified_attention(query, kv_cache, out, metadata.query_start_loc, metadata.seq_lens,
-                              metadata.block_table, layer.scale)
+                              metadata.block_table, layer.scale, sliding_window=_window(layer),
+                              soft_cap=_soft_cap(layer))
             return
-        self._step_attention(metadata)(query, kv_cache, out, layer.scale)
+        self._step_attention(metadata)(query, kv_cache, out, layer.scale, _window(layer), _soft_cap(layer))
 
     def prepare_replay(self, layer: Any, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
                        out: torch.Tensor, kv_cache: torch.Tensor) -> PreparedBreak | None:
@@ -110,6 +111,15 @@ class TritonPagedBackend(AttentionBackend):
         return step[1]
 
 
+def _window(layer: Any) -> int | None:
+    """The layer's sliding window (attention.layer.Attention), None for layers that have none."""
+    return getattr(layer, "sliding_window", None)
+
+
+def _soft_cap(layer: Any) -> float | None:
+    return getattr(layer, "logits_soft_cap", None)
+
+
 class _BreakReplay:
     """One PIECEWISE attention break's replay (see `TritonPagedBackend.prepare_replay`); `patched`: its q,
     KV cache and out addresses."""
@@ -120,7 +130,7 @@ class _BreakReplay:
                  kv_cache: torch.Tensor) -> None:
         self.backend, self.layer, self.query, self.out, self.kv_cache = backend, layer, query, out, kv_cache
         self.index, self.scale = layer.cache_index, layer.scale
-        self.key = interned_layer_key(query, kv_cache, out, self.scale)
+        self.key = interned_layer_key(query, kv_cache, out, self.scale, _window(layer), _soft_cap(layer))
         self.patched = (query.data_ptr(), kv_cache.data_ptr(), out.data_ptr())
 
     def __call__(self) -> None:

@@ -43,17 +43,17 @@ from launch.pdl import use_pdl, wait_for_producers
 LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_reqs", "num_splits"])
+@triton.jit(do_not_specialize=["num_tokens", "num_reqs", "num_splits", "window"])
 def attention_kernel(
     q_ptr, cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, block_table_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr, ticket_ptr,
-    scale_log2, num_tokens, num_reqs, num_q_heads, num_splits,
+    scale_log2, window, soft_cap_log2, num_tokens, num_reqs, num_q_heads, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_b, stride_c_s, stride_c_h, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, REQ_CHUNK: tl.constexpr,
     SPLIT_KV: tl.constexpr, DOT_FP32: tl.constexpr, FUSED_MERGE: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
-    MAX_SPLITS: tl.constexpr, PDL: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, PDL: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -82,9 +82,13 @@ def attention_kernel(
     # MIN_SPLIT_TILES: the splits past `active` have none, and exit before loading q).
     kv_end = tl.minimum(context_len + (local_block + 1) * BLOCK_Q, seq_len)
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), MIN_SPLIT_TILES)
-    active = tl.cdiv(num_tiles, tiles_per_split)
-    tile_lo = split * tiles_per_split
+    if HAS_WINDOW:   # the block's first query sees no key at or before its position - window
+        first_tile = tl.maximum(context_len + local_block * BLOCK_Q - window + 1, 0) // BLOCK_N
+    else:
+        first_tile = num_tiles * 0
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles - first_tile, num_splits), MIN_SPLIT_TILES)
+    active = tl.cdiv(num_tiles - first_tile, tiles_per_split)
+    tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     cols = tl.arange(0, BLOCK_N)
@@ -138,7 +142,11 @@ def attention_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, k, input_precision="ieee") * scale_log2
+        if HAS_SOFT_CAP:   # cap * tanh(score / cap), in the log2 domain: soft_cap_log2 = cap * log2(e)
+            s = soft_cap_log2 * _tanh(s / soft_cap_log2)
         visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        if HAS_WINDOW:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # fully masked rows stay at 0
@@ -186,6 +194,12 @@ def attention_kernel(
                 o_all = o_all * alpha[:, None] + a_s * beta[:, None]
                 m_all = m_new
             _store_normalised(dst, o_all, l_all, out_mask)
+
+
+@triton.jit
+def _tanh(x):
+    """tanh(x) = 1 - 2 / (e^(2x) + 1): saturates to +-1 without overflow trouble (e^(2x) = inf -> 1)."""
+    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
 
 
 @triton.jit
@@ -332,13 +346,17 @@ _merge_launch = FastLaunch(merge_splits_kernel)
 
 def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                      scale: float, num_splits: int | None = None, max_seq_len: int | None = None) -> None:
+                      scale: float, num_splits: int | None = None, max_seq_len: int | None = None,
+                      sliding_window: int | None = None, soft_cap: float | None = None) -> None:
     """Causal paged attention of query [T, Hq, D] over kv_cache [2, num_blocks, block_size, Hkv, D]
     into out [T, Hq, D]. Request r's queries are rows query_start_loc[r]:query_start_loc[r+1] and
     its KV is the first seq_lens[r] positions of its block_table row. Rows past
     query_start_loc[-1] are set to 0. No host sync, no value-dependent allocation: capturable.
-    `max_seq_len` (eager calls only: a graph would freeze it) lets the split count fit the step."""
-    launch = _plan(query, kv_cache, out, query_start_loc, seq_lens, block_table, scale, num_splits, max_seq_len)
+    `max_seq_len` (eager calls only: a graph would freeze it) lets the split count fit the step.
+    `sliding_window` (a query at p sees keys > p - window) and `soft_cap` (scores -> cap * tanh(s / cap))
+    are per-layer constants of the launch (constexpr flags, runtime values): capturable too."""
+    launch = _plan(query, kv_cache, out, query_start_loc, seq_lens, block_table, scale, num_splits, max_seq_len,
+                   sliding_window, soft_cap)
     if launch is not None:
         launch.run()
 
@@ -360,7 +378,7 @@ class _Launch:
 
 def _plan(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor,
           seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, num_splits: int | None,
-          max_seq_len: int | None) -> _Launch | None:
+          max_seq_len: int | None, sliding_window: int | None = None, soft_cap: float | None = None) -> _Launch | None:
     """Check the arguments and bind the launch (None: nothing to launch)."""
     # Eager PIECEWISE calls this once per layer per step: each tensor's shape and strides are read
     # once (every .stride(i) call is a dispatch), and no Triton helper runs on the host.
@@ -404,12 +422,12 @@ def _plan(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, query_
     # query, kv_cache and out come first: StepAttention swaps them per layer.
     args = (query, kv_cache, out, query_start_loc, seq_lens, block_table,
             part_acc, part_max, part_sum, tickets if tickets is not None else seq_lens,
-            scale * LOG2E, num_tokens, num_reqs, num_q_heads, num_splits,
+            scale * LOG2E, sliding_window or 0, (soft_cap or 0.0) * LOG2E, num_tokens, num_reqs, num_q_heads, num_splits,
             q_stride[0], q_stride[1], out_stride[0], out_stride[1],
             cache_stride[0], cache_stride[1], cache_stride[2], cache_stride[3], table_stride[0],
             c["GROUP"], c["HEAD_DIM"], d_pad, c["BLOCK_SIZE"], c["BLOCK_M"], c["BLOCK_Q"], c["BLOCK_N"],
             c["REQ_CHUNK"], num_splits > 1, c["DOT_FP32"], fused_merge, min_split_tiles(), MAX_SPLITS,
-            c["PDL"])
+            sliding_window is not None, soft_cap is not None, c["PDL"])
     options = dict(device_index=device_index, num_warps=c["num_warps"], num_stages=c["num_stages"],
                    launch_pdl=c["PDL"])
     merge = None
@@ -421,21 +439,28 @@ def _plan(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, query_
     return _Launch(grid, args, options, merge)
 
 
-def layer_key(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scale: float) -> tuple:
+def layer_key(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scale: float,
+              sliding_window: int | None = None, soft_cap: float | None = None) -> tuple:
     """What may differ between two layers' calls and would change the launch: shapes, strides,
-    dtypes, 16-byte alignment (Triton specialises on it), the scale."""
+    dtypes, 16-byte alignment (Triton specialises on it), the scale, the sliding window and soft-cap."""
     return (query.shape, query.stride(), query.dtype, query.data_ptr() % 16 == 0, out.shape, out.stride(),
             out.dtype, out.data_ptr() % 16 == 0, kv_cache.shape, kv_cache.stride(), kv_cache.dtype,
-            kv_cache.data_ptr() % 16 == 0, scale)
+            kv_cache.data_ptr() % 16 == 0, scale, sliding_window, soft_cap)
+
+
+def _masking(key: tuple) -> tuple:
+    """(sliding_window, soft_cap) of a `layer_key`: its last two fields."""
+    return key[-2:]
 
 
 _interned_keys: dict[tuple, tuple] = {}
 
 
-def interned_layer_key(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scale: float) -> tuple:
+def interned_layer_key(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scale: float,
+                       sliding_window: int | None = None, soft_cap: float | None = None) -> tuple:
     """`layer_key`, one object for equal keys (the layers of a model share theirs), so a
     StepAttention compares a PIECEWISE break's key by identity instead of field by field."""
-    key = layer_key(query, kv_cache, out, scale)
+    key = layer_key(query, kv_cache, out, scale, sliding_window, soft_cap)
     return _interned_keys.setdefault(key, key)
 
 
@@ -469,8 +494,9 @@ class StepAttention:
         self.relaunches = 0
         """Calls that took the bound launch (for tests)."""
 
-    def __call__(self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scale: float) -> None:
-        self.call_keyed(layer_key(query, kv_cache, out, scale), query, kv_cache, out, scale)
+    def __call__(self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scale: float,
+                 sliding_window: int | None = None, soft_cap: float | None = None) -> None:
+        self.call_keyed(layer_key(query, kv_cache, out, scale, sliding_window, soft_cap), query, kv_cache, out, scale)
 
     def call_keyed(self, key: tuple, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                    scale: float) -> None:
@@ -479,7 +505,7 @@ class StepAttention:
         if self._kernel is not None and key == self._key:
             self._relaunch(query, kv_cache, out)
             return
-        launch = _plan(query, kv_cache, out, *self.metadata, scale, None, self.max_seq_len)
+        launch = _plan(query, kv_cache, out, *self.metadata, scale, None, self.max_seq_len, *_masking(key))
         if launch is None:
             return
         kernel = launch.run()
@@ -494,7 +520,7 @@ class StepAttention:
         kernel for this launch yet (an eager call compiles it), or another key already bound."""
         if self._kernel is not None:
             return key is self._key or key == self._key
-        launch = _plan(query, kv_cache, out, *self.metadata, scale, None, self.max_seq_len)
+        launch = _plan(query, kv_cache, out, *self.metadata, scale, None, self.max_seq_len, *_masking(key))
         if launch is None or launch.merge is not None:
             return False
         kernel = _attention_launch.compiled_kernel(launch.args, **launch.options)
