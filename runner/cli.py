@@ -51,9 +51,22 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from runner.server.api_server import serve
+    return serve(args)
+
+
 def _bench(args: argparse.Namespace) -> int:
+    import importlib
     import runpy
     from pathlib import Path
+    try:  # an installed benchmark (runner/benchmarks/<which>.py) first
+        module = importlib.import_module(f"runner.benchmarks.{args.which}")
+    except ModuleNotFoundError as error:
+        if error.name not in ("runner.benchmarks", f"runner.benchmarks.{args.which}"):
+            raise
+    else:
+        return module.main(args.rest)
     scripts = Path(__file__).resolve().parent.parent / "scripts"
     script = scripts / f"bench_{args.which}.py"
     if not script.is_file():
@@ -82,8 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--pipeline-parallel-size", type=int, default=1, help="processes, each with a slice of layers")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.set_defaults(func=_generate)
-    bench = sub.add_parser("bench", help="run scripts/bench_<which>.py")
-    bench.add_argument("which", choices=["cpu", "decode", "throughput", "attention"])
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API over HTTP")
+    from runner.server.api_server import add_serve_args
+    add_serve_args(serve)
+    serve.set_defaults(func=_serve)
+    bench = sub.add_parser("bench", help="run runner/benchmarks/<which>.py or scripts/bench_<which>.py")
+    bench.add_argument("which", choices=["cpu", "decode", "throughput", "attention", "serve"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
     args = parser.parse_args(argv)
