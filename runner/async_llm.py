@@ -141,14 +141,16 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             if not stream.finished:
                 self._commands.put(("abort", request_id))
+                if self.stats_listener is not None:
+                    now = time.monotonic()
+                    self.stats_listener("finished", request_id, now, e2e=now - stream.arrival, finish_reason="abort")
 
     def abort(self, request_id: str) -> None:
-        """Abort a request: the engine thread frees its blocks before its next step."""
-        stream = self._streams.pop(request_id, None)
+        """Abort a request: the engine thread frees its blocks before its next step, and its
+        generate() ends with a last output whose finish_reason is "abort"."""
+        stream = self._streams.get(request_id)
         if stream is not None and not stream.finished:
-            stream.finished = True
             self._commands.put(("abort", request_id))
-            stream.queue.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
 
     def _in_callers_kind(self, stream: _Stream, out: RequestOutput) -> RequestOutput | None:
         if stream.kind is RequestOutputKind.DELTA:
@@ -245,7 +247,10 @@ class AsyncLLM:
             except (InvalidRequestError, ValueError) as error:
                 deliveries.append((request_id, InvalidRequestError(str(error))))
         elif command == "abort":
-            engine.abort_request(payload)
+            out = engine.abort_request(payload)
+            if out is not None:
+                out.finished = True
+                deliveries.append((payload, out))
 
     def _step_failed(self, error: Exception, deliveries: list) -> None:
         """A step raised. The engine's own failure handling decides what survives; here every
