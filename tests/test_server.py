@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 import pytest
 
 from configs import SamplingParams
-from tests.server_helpers import ServerProcess, metrics, wait_for
+from server_helpers import ServerProcess, metrics, wait_for
 
 openai = pytest.importorskip("openai")
 
