@@ -72,6 +72,6 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
                            help=f"{help_text} (default: {default})".strip(), **_flag_spec(info.annotation))
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine options given on the command line, by field name."""
-    return {name: getattr(args, name) for name in _fields() if hasattr(args, name)}
+def engine_kwargs(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The engine options given on the command line, by field name (`skip`: as add_engine_args)."""
+    return {name: getattr(args, name) for name in _fields() if name not in skip and hasattr(args, name)}

@@ -1,0 +1,1 @@
+"""Benchmarks installed with the package: `graphrunner bench <name>` runs `runner.benchmarks.<name>.main(argv)`."""
