@@ -190,6 +190,18 @@ def test_response_format_json_schema(client):
     assert isinstance(json.loads(response.choices[0].message.content), dict)
 
 
+@needs("prompt_logprobs", "prompt logprobs")
+def test_prompt_logprobs_equal_llm_generate(client, llm):
+    reference = llm.generate(PROMPTS[0], greedy(max_tokens=2, prompt_logprobs=2), use_tqdm=False)[0]
+    response = client.completions.create(model="default", prompt=PROMPTS[0], max_tokens=2, temperature=0.0,
+                                         extra_body={"prompt_logprobs": 2})
+    served = response.choices[0].model_extra["prompt_logprobs"]
+    assert served[0] is None and len(served) == len(reference.prompt_token_ids)
+    for entry, expected in zip(served[1:], reference.prompt_logprobs[1:]):
+        assert {int(t): v["logprob"] for t, v in entry.items()} == pytest.approx(
+            {t: lp.logprob for t, lp in expected.items()}, abs=1e-4)
+
+
 @needs("include_stop_str_in_output", "include_stop_str_in_output")
 def test_include_stop_str_in_output(client):
     response = client.completions.create(model="default", prompt=PROMPTS[1], max_tokens=30, temperature=0.0,

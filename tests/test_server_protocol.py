@@ -33,7 +33,8 @@ def test_neutral_values_of_optional_features_are_not_passed():
 
 
 @pytest.mark.parametrize("field, value", [("n", 2), ("presence_penalty", 0.5), ("frequency_penalty", 0.5),
-                                          ("repetition_penalty", 1.2), ("include_stop_str_in_output", True)])
+                                          ("repetition_penalty", 1.2), ("include_stop_str_in_output", True),
+                                          ("prompt_logprobs", 2)])
 def test_optional_features_map_by_name_or_are_refused_naming_the_field(field, value):
     request = CompletionRequest(prompt="x", **{field: value})
     if field in SamplingParams.model_fields:

@@ -77,6 +77,8 @@ class _SamplingRequest(_Request):
     guided_grammar: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    """vLLM's extra field: the top-k logprobs of every prompt token, returned as `prompt_logprobs`."""
     return_token_ids: bool = False
     """vLLM's extra field: each choice carries `token_ids`, the response `prompt_token_ids`."""
     user: str | None = None
@@ -112,7 +114,8 @@ class _SamplingRequest(_Request):
         optional = {"n": (self.n, 1), "presence_penalty": (self.presence_penalty, 0.0),
                     "frequency_penalty": (self.frequency_penalty, 0.0),
                     "repetition_penalty": (self.repetition_penalty, 1.0),
-                    "include_stop_str_in_output": (self.include_stop_str_in_output, False)}
+                    "include_stop_str_in_output": (self.include_stop_str_in_output, False),
+                    "prompt_logprobs": (self.prompt_logprobs, None)}
         for name, (value, neutral) in optional.items():
             if value is not None and value != neutral:
                 values[name] = value

@@ -91,10 +91,13 @@ class OpenAIServing:
         except EngineLoopError as error:
             raise APIError(str(error), status=500, type="internal_server_error") from None
 
-    async def collect(self, token_ids: list[int], params: SamplingParams, request_id: str) -> dict[int, Choice]:
-        """Run one request to the end; its choices by completion index."""
-        choices: dict[int, Choice] = {}
+    async def collect(self, token_ids: list[int], params: SamplingParams, request_id: str) -> dict:
+        """Run one request to the end; its choices by completion index (and, when it asked for
+        them, its prompt logprobs in vLLM's JSON shape under the key None)."""
+        choices: dict = {}
         async for out in self.stream(token_ids, params, request_id):
+            if out.prompt_logprobs is not None and None not in choices:
+                choices[None] = prompt_logprobs_json(out.prompt_logprobs)
             for delta in out.outputs:
                 accumulate(choices.setdefault(delta.index, Choice()), delta)
             if out.finished and out.error:
@@ -126,6 +129,13 @@ def top_entries(entry: dict, k: int) -> list[tuple[int, object]]:
     ranked = [(t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k]
     ranked.sort(key=lambda item: item[1].rank)
     return ranked[:k]
+
+
+def prompt_logprobs_json(prompt_logprobs) -> list:
+    """vLLM's shape: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}."""
+    return [None if entry is None else
+            {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for t, lp in entry.items()} for entry in prompt_logprobs]
 
 
 def sse(payload: str) -> str:

@@ -51,12 +51,15 @@ class ServingChat(OpenAIServing):
         if request.stream:
             return self._stream(request, request_id, token_ids, params)
         result = await self.collect(token_ids, params, request_id)
+        prompt_logprobs = result.pop(None, None)
         choices = [self._choice(request, index, choice) for index, choice in sorted(result.items())]
         body = {"id": request_id, "object": "chat.completion", "created": now(), "model": self.model_name,
                 "choices": choices,
                 "usage": usage(len(token_ids), sum(len(c.token_ids) for c in result.values()))}
         if request.return_token_ids:
             body["prompt_token_ids"] = token_ids
+        if prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs
         return body
 
     def _choice(self, request: ChatCompletionRequest, index: int, choice: Choice) -> dict:

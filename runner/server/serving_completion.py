@@ -52,10 +52,13 @@ class ServingCompletion(OpenAIServing):
                                          for i, (ids, _, params) in enumerate(runs)))
         choices, completion_tokens = [], 0
         for prompt_index, ((token_ids, text, params), result) in enumerate(zip(runs, results)):
+            prompt_logprobs = result.pop(None, None)
             for index, choice in sorted(result.items()):
                 completion_tokens += len(choice.token_ids)
                 choices.append(self._choice(request, prompt_index * request.n + index, choice, token_ids,
                                             text if request.echo else None))
+                if prompt_logprobs is not None:
+                    choices[-1]["prompt_logprobs"] = prompt_logprobs
         prompt_tokens = sum(len(ids) for ids, _, _ in runs)
         return {"id": request_id, "object": "text_completion", "created": now(), "model": self.model_name,
                 "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
