@@ -72,8 +72,10 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.num_pending_adds = 0
-        """Requests handed to the engine thread that it has not added yet (they count as waiting)."""
+        self._num_submitted = 0
+        """Adds queued by the event loop (written there only)..."""
+        self._num_taken = 0
+        """...and taken by the engine thread (written there only): their difference is the backlog."""
         self.dead_error: BaseException | None = None
 
     @classmethod
@@ -103,6 +105,11 @@ class AsyncLLM:
         return self._thread is not None and self._thread.is_alive() and self.dead_error is None
 
     @property
+    def num_pending_adds(self) -> int:
+        """Requests handed to the engine thread that it has not added yet (they count as waiting)."""
+        return max(0, self._num_submitted - self._num_taken)
+
+    @property
     def num_waiting(self) -> int:
         """Requests not yet running: queued for the engine thread, or in the scheduler's waiting queue."""
         return self.num_pending_adds + len(self.engine.scheduler.waiting)
@@ -125,7 +132,7 @@ class AsyncLLM:
             params.model_copy(update={"output_kind": RequestOutputKind.DELTA})
         stream = _Stream(asyncio.Queue(), params.output_kind, time.monotonic())
         self._streams[request_id] = stream
-        self.num_pending_adds += 1
+        self._num_submitted += 1
         self._commands.put(("add", (request_id, prompt, engine_params)))
         try:
             while True:
@@ -176,9 +183,6 @@ class AsyncLLM:
     def _deliver(self, items: list[tuple[str, object]], stamp: float) -> None:
         """On the event loop: hand each request its output (or error) from one engine step."""
         for request_id, item in items:
-            if item == "added":
-                self.num_pending_adds -= 1
-                continue
             stream = self._streams.get(request_id)
             if stream is None or stream.finished:
                 continue
@@ -212,6 +216,16 @@ class AsyncLLM:
 
     # ---- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop_steps()
+        except BaseException as error:  # noqa: BLE001 - the loop itself broke: every caller must hear of it
+            logger.exception("the engine loop stopped")
+            self.dead_error = error
+            failure = EngineLoopError(f"the engine loop stopped: {type(error).__name__}: {error}")
+            self._loop.call_soon_threadsafe(self._deliver, [(rid, failure) for rid in list(self._streams)],
+                                            time.monotonic())
+
+    def _loop_steps(self) -> None:
         engine = self.engine
         deliveries: list[tuple[str, object]] = []
         while not self._stopping:
@@ -241,13 +255,21 @@ class AsyncLLM:
         engine = self.engine
         if command == "add":
             request_id, prompt, params = payload
-            deliveries.append((request_id, "added"))
             try:
                 engine.add_request(prompt, params, request_id)
             except (InvalidRequestError, ValueError) as error:
                 deliveries.append((request_id, InvalidRequestError(str(error))))
+            except Exception as error:  # noqa: BLE001 - this request fails; the engine goes on
+                logger.exception("adding request %s failed", request_id)
+                deliveries.append((request_id, EngineLoopError(f"{type(error).__name__}: {error}")))
+            finally:
+                self._num_taken += 1
         elif command == "abort":
-            out = engine.abort_request(payload)
+            try:
+                out = engine.abort_request(payload)
+            except Exception:  # noqa: BLE001 - logged; the request is gone from the caller's side already
+                logger.exception("aborting request %s failed", payload)
+                return
             if out is not None:
                 out.finished = True
                 deliveries.append((payload, out))
