@@ -57,23 +57,22 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    """Import runner.benchmarks.<which> from the installed package and call its main(rest)."""
     import importlib
-    import runpy
-    from pathlib import Path
-    try:  # an installed benchmark (runner/benchmarks/<which>.py) first
-        module = importlib.import_module(f"runner.benchmarks.{args.which}")
-    except ModuleNotFoundError as error:
-        if error.name not in ("runner.benchmarks", f"runner.benchmarks.{args.which}"):
-            raise
-    else:
-        return module.main(args.rest)
-    scripts = Path(__file__).resolve().parent.parent / "scripts"
-    script = scripts / f"bench_{args.which}.py"
-    if not script.is_file():
-        raise SystemExit(f"no benchmark {args.which!r} (looked for {script})")
-    sys.argv = [str(script)] + args.rest
-    runpy.run_path(str(script), run_name="__main__")
-    return 0
+
+    from runner.benchmarks import available
+    names = available()
+    if args.which not in names:
+        raise SystemExit(f"no benchmark {args.which!r}; available: {', '.join(names)}")
+    module = importlib.import_module(f"runner.benchmarks.{args.which}")
+    return module.main(list(args.rest)) or 0
+
+
+def _bench_list() -> str:
+    from runner.benchmarks import available
+    lines = ["benchmarks (runner/benchmarks/NAME.py; `graphrunner bench NAME --help` for each one's options):"]
+    lines += [f"  {name:<16} {summary}" for name, summary in available().items()]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,9 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     from runner.server.api_server import add_serve_args
     add_serve_args(serve)
     serve.set_defaults(func=_serve)
-    bench = sub.add_parser("bench", help="run runner/benchmarks/<which>.py or scripts/bench_<which>.py")
-    bench.add_argument("which", choices=["cpu", "decode", "throughput", "attention", "serve"])
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench = sub.add_parser("bench", help="run a benchmark of runner/benchmarks/ (raw results go to --out DIR)",
+                           description="graphrunner bench NAME [ARGS...]: run the benchmark NAME with its own "
+                                       "arguments (most take --out DIR for their raw results).",
+                           epilog=_bench_list(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_argument("which", metavar="NAME", help="a benchmark listed below")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     bench.set_defaults(func=_bench)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

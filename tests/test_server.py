@@ -319,3 +319,14 @@ def _post(base: str, path: str, body: dict) -> dict:
     connection.close()
     assert response.status == 200, data
     return data
+
+
+def test_bench_serve_against_the_server(server, tmp_path):
+    """`graphrunner bench serve --url` drives the running server: every request completes with its
+    output length (ignore_eos), and the raw results land in --out."""
+    from runner.benchmarks.serve import main
+    assert main(["--url", server.url, "--num-prompts", "4", "--input-len", "8", "--output-len", "4",
+                 "--max-concurrency", "2", "--request-rate", "50", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert report["server"]["completed"] == 4 and report["server"]["output_tokens"] == 16
+    assert all(len(r["itl"]) == 3 and r["ttft"] > 0 for r in report["server_requests"])
