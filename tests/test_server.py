@@ -218,7 +218,7 @@ def test_include_stop_str_in_output(client):
     ({"stop": [""]}, "stop"),
     ({"prompt": "hello " * (MAX_MODEL_LEN + 10)}, "prompt"),
     ({"prompt": []}, "prompt"),
-    ({"prompt": [10 ** 9]}, None),
+    ({"prompt": [10 ** 9]}, "prompt"),
     ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
 ])
 def test_bad_completion_input_is_400_naming_the_field(client, body, param):

@@ -21,8 +21,15 @@ class ServingCompletion(OpenAIServing):
         if not prompt:
             raise APIError("the prompt is empty", param="prompt")
         if all(isinstance(t, int) for t in prompt):
-            return [(list(prompt), None)]
-        return [(self.encode(p, "prompt"), p) if isinstance(p, str) else (list(p), None) for p in prompt]
+            prompts = [(list(prompt), None)]
+        else:
+            prompts = [(self.encode(p, "prompt"), p) if isinstance(p, str) else (list(p), None) for p in prompt]
+        vocab = self.engine.engine.spec.vocab_size
+        for token_ids, text in prompts:
+            bad = [t for t in token_ids if not 0 <= t < vocab] if text is None else []
+            if bad:
+                raise APIError(f"prompt token id(s) {bad[:5]} outside the vocabulary [0, {vocab})", param="prompt")
+        return prompts
 
     def _prepare(self, request: CompletionRequest):
         self.check_model(request.model)
