@@ -6,7 +6,8 @@ from configs.engine_config import (CacheConfig, CompilationConfig, EngineConfig,
 from configs.graph_mode import CUDAGraphMode
 from configs.kernel_config import KernelConfig, active_kernel_config, set_active_kernel_config, using_kernel_config
 from configs.sampling_params import RequestOutputKind, SamplingParams
+from configs.server_config import ServerConfig
 
 __all__ = ["CUDAGraphMode", "CacheConfig", "CompilationConfig", "EngineConfig", "KernelConfig", "ModelConfig",
-           "ParallelConfig", "RequestOutputKind", "SamplingParams", "SchedulerConfig", "active_kernel_config",
-           "set_active_kernel_config", "using_kernel_config"]
+           "ParallelConfig", "RequestOutputKind", "SamplingParams", "SchedulerConfig", "ServerConfig",
+           "active_kernel_config", "set_active_kernel_config", "using_kernel_config"]

@@ -111,6 +111,11 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from runner.server.api_server import serve
+    return serve(args)
+
+
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Import runner.benchmarks.<which> from the installed package and call its main(rest)."""
     import importlib
@@ -158,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     add_config_arguments(gen)
     gen.set_defaults(func=_generate)
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API over HTTP")
+    from runner.server.api_server import add_serve_args
+    add_serve_args(serve)
+    serve.set_defaults(func=_serve)
     bench = sub.add_parser("bench", help="run a benchmark of runner/benchmarks/ (raw results go to --out DIR)",
                            description="graphrunner bench NAME [ARGS...]: run the benchmark NAME with its own "
                                        "arguments (most take --out DIR for their raw results).",

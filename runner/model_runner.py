@@ -7,6 +7,7 @@ never captured: `cuda_graph_ready` stays False), `initialize_kv_cache`, then
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -99,6 +100,8 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] | None = None
         self.cuda_graph_ready = False
+        self.steps_by_mode: collections.Counter = collections.Counter()
+        """Steps run per runtime mode name (FULL, PIECEWISE, NONE): the server's /metrics reads it."""
         self.precompile_seconds = 0.0
         """How long `kernels_compiled_ahead` took to queue the compiles (0: not used)."""
         self.compile_wait_seconds = 0.0
@@ -326,6 +329,7 @@ class ModelRunner:
 
     def prepare(self, sched: SchedulerOutput):
         mode, desc = self.dispatch(sched)
+        self.steps_by_mode[mode.name] += 1
         reqs = sched.scheduled
         padded_tokens = desc.num_tokens if desc is not None else sched.num_scheduled_tokens
         padded_reqs = max(len(reqs), desc.num_reqs) if desc is not None and mode == CUDAGraphMode.FULL else len(reqs)

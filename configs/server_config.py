@@ -1,0 +1,20 @@
+"""Settings of the OpenAI-compatible HTTP server (`graphrunner serve`)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ServerConfig(BaseModel):
+    """Where the server listens and how much work it queues before refusing more."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    """0: an ephemeral port, printed in the ready line."""
+    served_model_name: str | None = None
+    """The model name clients send and /v1/models lists; None: the MODEL argument."""
+    max_waiting_requests: int | None = Field(None, ge=0)
+    """A request that finds this many or more waiting (not yet running) gets 503; None: no bound."""
+    uvicorn_log_level: str = "warning"

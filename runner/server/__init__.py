@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (`graphrunner serve`): FastAPI app, request models, metrics."""

@@ -1,0 +1,97 @@
+"""`graphrunner serve MODEL`: build and warm up the engine, then serve the OpenAI API with uvicorn.
+
+The ready line (`graphrunner: serving MODEL at http://HOST:PORT`) is printed to stdout once the
+socket listens, with the real port when --port 0 asked for an ephemeral one."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+import sys
+import time
+
+from configs import EngineConfig, ServerConfig
+from runner.engine_args import add_engine_args, engine_kwargs
+
+logger = logging.getLogger("runner.server")
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default="default",
+                        help="HF checkpoint folder, or 'default' (the embedded SmolLM2)")
+    defaults = ServerConfig()
+    parser.add_argument("--host", default=defaults.host)
+    parser.add_argument("--port", type=int, default=defaults.port, help="0: an ephemeral port")
+    parser.add_argument("--served-model-name", help="the model name clients use (default: MODEL)")
+    parser.add_argument("--max-waiting-requests", type=int,
+                        help="answer 503 to a request that finds this many waiting (default: no bound)")
+    parser.add_argument("--uvicorn-log-level", default=defaults.uvicorn_log_level)
+    add_engine_args(parser)
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from runner.async_llm import AsyncLLM
+    from runner.engine import LLMEngine
+    from runner.server.app import build_app
+
+    config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                          max_waiting_requests=args.max_waiting_requests, uvicorn_log_level=args.uvicorn_log_level)
+    engine_config = EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args))
+    logger.setLevel(logging.INFO)  # the start-up and ready lines show without -v
+    started = time.perf_counter()
+    engine = LLMEngine(engine_config)
+    runner = engine.model_runner
+    logger.info("engine ready in %.1f s: %s on %s, KV cache %d blocks, CUDA graphs %s",
+                   time.perf_counter() - started, engine.spec.architecture, engine.device, engine.executor.num_blocks,
+                   "captured" if runner.cuda_graph_ready else f"off (mode {runner.cudagraph_mode.name})")
+    warm_up(engine)
+    model_name = config.served_model_name or args.model
+    async_llm = AsyncLLM(engine)
+    app = build_app(async_llm, model_name, config)
+    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((config.host, config.port))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level=config.uvicorn_log_level, timeout_graceful_shutdown=5))
+
+    async def run() -> None:
+        serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            print(f"graphrunner: serving {model_name} at http://{config.host}:{port}", flush=True)
+        await serving
+
+    try:
+        asyncio.run(run())
+    finally:
+        sock.close()
+    return 0
+
+
+def warm_up(engine) -> None:
+    """One short request through the engine before the socket opens, so the first client does not
+    pay for lazily built kernels and first-touch allocations; its prefix-cache entries are dropped."""
+    started = time.perf_counter()
+    from configs import SamplingParams
+    engine.add_request([0] * 8, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0), "warm-up")
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.scheduler.reset_prefix_cache()
+    logger.info("warm-up request in %.2f s; ready to serve", time.perf_counter() - started)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="graphrunner serve", description=__doc__)
+    add_serve_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

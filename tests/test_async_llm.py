@@ -1,0 +1,151 @@
+"""AsyncLLM on a tiny random checkpoint: outputs equal the synchronous engine's, every output kind,
+a refused request fails alone, leaving the loop early aborts and frees the KV blocks, and a failing
+step ends the requests it hit while the engine goes on serving."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from checkpoints import make_tiny_checkpoint
+
+from configs import EngineConfig, RequestOutputKind, SamplingParams
+from runner.async_llm import AsyncLLM, EngineLoopError
+from runner.engine import InvalidRequestError, LLMEngine
+from runner.llm import LLM
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path, _ = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama_gqa")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 23, 9, 40)]
+
+
+def _engine(checkpoint: str) -> LLMEngine:
+    return LLMEngine(EngineConfig.from_kwargs(model=checkpoint, dtype="float32", device="cpu", num_kv_blocks=64))
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 120))
+
+
+def test_outputs_equal_the_engine_in_every_kind(checkpoint, prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    with LLM(checkpoint, dtype="float32", device="cpu", num_kv_blocks=64) as llm:
+        reference = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    async def run():
+        engine = AsyncLLM(_engine(checkpoint))
+        engine.start()
+
+        async def one(prompt, kind):
+            outs = [o async for o in engine.generate(prompt, params.model_copy(update={"output_kind": kind}))]
+            return kind, outs
+
+        try:
+            jobs = [one(p, kind) for p in prompts for kind in RequestOutputKind]
+            return await asyncio.gather(*jobs)
+        finally:
+            engine.shutdown()
+
+    results = _run(run())
+    for index, (kind, outs) in enumerate(results):
+        expected = reference[index // len(RequestOutputKind)]
+        assert outs[-1].finished and all(not o.finished for o in outs[:-1])
+        if kind is RequestOutputKind.DELTA:
+            assert [t for o in outs for t in o.outputs[0].token_ids] == expected.token_ids
+            assert [lp for o in outs for lp in o.outputs[0].logprobs] == expected.logprobs
+            assert len(outs) == len(expected.token_ids)
+        elif kind is RequestOutputKind.CUMULATIVE:
+            assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, len(expected.token_ids) + 1))
+            assert outs[-1].outputs[0].token_ids == expected.token_ids
+        else:
+            assert len(outs) == 1 and outs[0].outputs[0].token_ids == expected.token_ids
+        assert outs[-1].outputs[0].finish_reason == "length"
+
+
+def test_refused_request_fails_alone_and_early_exit_frees_blocks(checkpoint, prompts):
+    async def run():
+        engine = AsyncLLM(_engine(checkpoint))
+        engine.start()
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+        async def good(prompt):
+            return [o async for o in engine.generate(prompt, params)][-1]
+
+        async def bad():
+            with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+                async for _ in engine.generate([10 ** 6], params):
+                    pass
+
+        async def leaves_early():
+            long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+            async for out in engine.generate(prompts[3], long, "early"):
+                assert engine.engine.scheduler.kv.usage > 0
+                break
+
+        try:
+            finished = await asyncio.gather(good(prompts[0]), bad(), good(prompts[1]), leaves_early())
+            for _ in range(100):  # the abort reaches the engine thread before its next step
+                if engine.engine.scheduler.kv.usage == 0 and not engine.engine.has_unfinished_requests():
+                    break
+                await asyncio.sleep(0.02)
+            return finished, engine.engine.scheduler.kv.usage, engine.engine.has_unfinished_requests()
+        finally:
+            engine.shutdown()
+
+    finished, usage, unfinished = _run(run())
+    assert finished[0].finished and finished[2].finished
+    assert usage == 0 and not unfinished
+
+
+def test_abort_ends_the_stream_with_abort(checkpoint, prompts):
+    async def run():
+        engine = AsyncLLM(_engine(checkpoint))
+        engine.start()
+        try:
+            outs = []
+            async for out in engine.generate(prompts[0], SamplingParams(max_tokens=500, ignore_eos=True), "a"):
+                outs.append(out)
+                if len(outs) == 2:
+                    engine.abort("a")
+            return outs
+        finally:
+            engine.shutdown()
+
+    outs = _run(run())
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort" and len(outs) < 500
+
+
+def test_failing_step_ends_its_requests_and_the_engine_serves_on(checkpoint, prompts):
+    async def run():
+        engine = AsyncLLM(_engine(checkpoint))
+        real_step, calls = engine.engine.step, []
+
+        def failing_once():
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected step failure")
+            return real_step()
+
+        engine.engine.step = failing_once
+        engine.start()
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        try:
+            with pytest.raises(EngineLoopError, match="injected step failure"):
+                async for _ in engine.generate(prompts[0], params):
+                    pass
+            after = [o async for o in engine.generate(prompts[1], params)]
+            return after, engine.engine.scheduler.kv.usage
+        finally:
+            engine.shutdown()
+
+    after, usage = _run(run())
+    assert after[-1].finished and len(after[-1].outputs[0].token_ids) == 6 and usage == 0

@@ -1,0 +1,89 @@
+"""The server's request mapping (OpenAI / vLLM fields -> SamplingParams, errors naming the field)
+and the engine flags generated from EngineConfig, without starting a server."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from configs import EngineConfig, RequestOutputKind, SamplingParams  # noqa: E402
+from configs.engine_config import (CacheConfig, CompilationConfig, ModelConfig, ParallelConfig,  # noqa: E402
+                                   SchedulerConfig)
+from runner.engine_args import add_engine_args, engine_kwargs  # noqa: E402
+from runner.server.protocol import APIError, ChatCompletionRequest, CompletionRequest  # noqa: E402
+
+
+def test_completion_fields_map_to_sampling_params():
+    request = CompletionRequest(prompt="x", temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=7, stop="\n",
+                                stop_token_ids=[3], ignore_eos=True, min_tokens=2, logprobs=3,
+                                skip_special_tokens=False, max_tokens=9)
+    params = request.sampling_params(9, request.logprobs, stream=False)
+    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.seed) == (0.5, 0.9, 5, 0.1, 7)
+    assert params.stop == ["\n"] and params.stop_token_ids == [3] and params.ignore_eos and params.min_tokens == 2
+    assert params.logprobs == 3 and params.max_tokens == 9 and not params.skip_special_tokens
+    assert params.output_kind is RequestOutputKind.DELTA
+
+
+def test_neutral_values_of_optional_features_are_not_passed():
+    request = CompletionRequest(prompt="x", n=1, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
+    request.sampling_params(4, None, stream=False)  # no error whichever of these SamplingParams has
+
+
+@pytest.mark.parametrize("field, value", [("n", 2), ("presence_penalty", 0.5), ("frequency_penalty", 0.5),
+                                          ("repetition_penalty", 1.2), ("include_stop_str_in_output", True),
+                                          ("prompt_logprobs", 2)])
+def test_optional_features_map_by_name_or_are_refused_naming_the_field(field, value):
+    request = CompletionRequest(prompt="x", **{field: value})
+    if field in SamplingParams.model_fields:
+        assert getattr(request.sampling_params(4, None, False), field) == value
+    else:
+        with pytest.raises(APIError) as caught:
+            request.sampling_params(4, None, False)
+        assert caught.value.param == field and field in caught.value.message and caught.value.status == 400
+
+
+@pytest.mark.parametrize("body, expected", [
+    ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}}},
+     {"json": {"type": "object"}}),
+    ({"structured_outputs": {"regex": "[ab]+"}}, {"regex": "[ab]+"}),
+    ({"guided_choice": ["yes", "no"]}, {"choice": ["yes", "no"]}),
+    ({"response_format": {"type": "text"}}, None),
+])
+def test_response_format_maps_to_structured_outputs(body, expected):
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **body)
+    assert request._structured_outputs() == expected
+    if expected is not None and "structured_outputs" not in SamplingParams.model_fields:
+        with pytest.raises(APIError) as caught:
+            request.sampling_params(4, None, False)
+        assert caught.value.param in ("response_format", "structured_outputs")
+
+
+def test_invalid_value_names_the_field():
+    with pytest.raises(APIError) as caught:
+        CompletionRequest(prompt="x", top_p=3.0).sampling_params(4, None, False)
+    assert caught.value.param == "top_p" and "top_p" in caught.value.message
+    assert caught.value.body() == {"error": {"message": caught.value.message, "type": "invalid_request_error",
+                                             "param": "top_p", "code": None}}
+
+
+def test_every_engine_option_is_a_flag():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    flags = {action.dest for action in parser._actions}
+    fields = {f for sub in (ModelConfig, CacheConfig, SchedulerConfig, CompilationConfig, ParallelConfig)
+              for f in sub.model_fields} - {"model"}
+    assert fields | {"device", "seed"} <= flags
+    args = parser.parse_args(["--block-size", "32", "--enable-prefix-caching", "false", "--async-scheduling",
+                              "--cudagraph-mode", "full", "--cudagraph-capture-sizes", "1", "4", "--max-num-seqs", "8",
+                              "--gpu-memory-utilization", "0.5", "--device", "cpu", "--dtype", "float32"])
+    kwargs = engine_kwargs(args)
+    assert kwargs == {"block_size": 32, "enable_prefix_caching": False, "async_scheduling": True,
+                      "cudagraph_mode": "full", "cudagraph_capture_sizes": [1, 4], "max_num_seqs": 8,
+                      "gpu_memory_utilization": 0.5, "device": "cpu", "dtype": "float32"}
+    config = EngineConfig.from_kwargs(model="default", **kwargs)
+    assert config.cache.block_size == 32 and config.compilation.cudagraph_capture_sizes == [1, 4]
+    assert engine_kwargs(parser.parse_args([])) == {}  # defaults stay in configs/
