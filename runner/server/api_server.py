@@ -22,12 +22,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default="default",
                         help="HF checkpoint folder, or 'default' (the embedded SmolLM2)")
     defaults = ServerConfig()
-    parser.add_argument("--host", default=defaults.host)
+    parser.add_argument("--host", default=defaults.host, help="address to listen on")
     parser.add_argument("--port", type=int, default=defaults.port, help="0: an ephemeral port")
     parser.add_argument("--served-model-name", help="the model name clients use (default: MODEL)")
     parser.add_argument("--max-waiting-requests", type=int,
                         help="answer 503 to a request that finds this many waiting (default: no bound)")
-    parser.add_argument("--uvicorn-log-level", default=defaults.uvicorn_log_level)
+    parser.add_argument("--uvicorn-log-level", default=defaults.uvicorn_log_level,
+                        help="log level of the HTTP server (uvicorn)")
     add_engine_args(parser)
 
 
