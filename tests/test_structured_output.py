@@ -240,3 +240,12 @@ def test_async_scheduling_gives_the_synchronous_outputs(llm):
         assert async_llm.engine.async_scheduling
         got = [o.outputs[0].token_ids for o in async_llm.generate(prompts, params, use_tqdm=False)]
     assert got == expected
+
+
+def test_benchmark_cpu_smoke(tmp_path):
+    from runner.cli import main
+    assert main(["bench", "structured", "--out", str(tmp_path), "--cpu-small"]) == 0
+    result = json.loads((tmp_path / "structured.json").read_text())
+    summary = result["summary"]
+    assert summary["free_decode_tok_s"] > 0 and summary["structured_decode_tok_s"] > 0
+    assert len(result["runs"]["structured"][0]["step_seconds"]) >= summary["steps"]

@@ -1,0 +1,1 @@
+"""Benchmarks shipped with the package: `graphrunner bench <name> ...` runs `<name>.main(argv)`."""
