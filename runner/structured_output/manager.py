@@ -22,8 +22,9 @@ scheduling: docs/STRUCTURED_OUTPUT.md).
 from __future__ import annotations
 
 import logging
+import os
 import time
-from concurrent.futures import Future, wait, FIRST_COMPLETED
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,10 @@ from runner.structured_output.bitmask import TokenBitmask
 from runner.structured_output.grammar import GrammarCompilerService
 
 logger = logging.getLogger(__name__)
+
+FILL_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+"""Threads xgrammar fills a step's bitmask rows with (half the cores, at most 8: the engine's
+own thread and the device's launches keep the rest)."""
 
 
 @dataclass(eq=False)
@@ -55,6 +60,7 @@ class StructuredOutputManager:
         self.compilers = GrammarCompilerService(tokenizer, vocab_size)
         self.states: dict[str, GrammarState] = {}
         self._host_bitmask: torch.Tensor | None = None
+        self._batch = None
         self.compile_wait_seconds = 0.0
         """Time the engine spent waiting for compiles with nothing else to run (`wait_for_compiles`)."""
 
@@ -105,24 +111,31 @@ class StructuredOutputManager:
                                              pin_memory=self.device.type == "cuda")
         return self._host_bitmask
 
+    def _batch_matcher(self):
+        if self._batch is None:
+            from xgrammar import BatchGrammarMatcher
+            self._batch = BatchGrammarMatcher(max_threads=FILL_THREADS)
+        return self._batch
+
     def token_bitmask(self, reqs, rows: list[int]) -> TokenBitmask | None:
         """The bitmask of the step's sampling rows (`reqs[rows[k]]` samples row k), or None when no
         sampling request has structured output. Called by the runner after the forward is launched."""
         states = self.states
         if not states:
             return None
-        host = None
-        indices = []
+        matchers, indices = [], []
         for row, i in enumerate(rows):
             state = states.get(reqs[i].request_id)
-            if state is None:
-                continue
-            if host is None:
-                host = self._host()
-            self._matcher(state).fill_next_token_bitmask(host, row)
-            indices.append(row)
+            if state is not None:
+                matchers.append(self._matcher(state))
+                indices.append(row)
         if not indices:
             return None
+        host = self._host()
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(host, indices[0])
+        else:  # xgrammar fills the rows on its own threads, outside the GIL
+            self._batch_matcher().batch_fill_next_token_bitmask(matchers, host, indices)
         bitmask = host[:len(rows)]
         index_tensor = torch.tensor(indices, dtype=torch.int32)
         if self.device.type != "cpu":
