@@ -52,9 +52,6 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import importlib.util
-    if importlib.util.find_spec(f"runner.benchmarks.{args.which}") is not None:  # installed with the package
-        return importlib.import_module(f"runner.benchmarks.{args.which}").main(args.rest)
     import runpy
     from pathlib import Path
     scripts = Path(__file__).resolve().parent.parent / "scripts"
@@ -85,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--pipeline-parallel-size", type=int, default=1, help="processes, each with a slice of layers")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.set_defaults(func=_generate)
-    bench = sub.add_parser("bench", help="run runner/benchmarks/<which>.py, else scripts/bench_<which>.py")
-    bench.add_argument("which", choices=["cpu", "decode", "throughput", "attention", "structured"])
+    bench = sub.add_parser("bench", help="run scripts/bench_<which>.py")
+    bench.add_argument("which", choices=["cpu", "decode", "throughput", "attention"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
     args = parser.parse_args(argv)

@@ -174,7 +174,7 @@ def test_bad_schema_is_refused_at_add_request(llm):
 
 def _free_requests(llm):
     prompts = [chat(llm, "What is the capital of France?"), chat(llm, "List three fruits.")]
-    params = [SamplingParams(temperature=0.0, max_tokens=24), SamplingParams(temperature=0.8, seed=3, max_tokens=24)]
+    params = [SamplingParams(temperature=0.0, max_tokens=12), SamplingParams(temperature=0.8, seed=3, max_tokens=12)]
     return prompts, params
 
 
@@ -183,7 +183,8 @@ def test_mixed_batch_free_requests_equal_their_unconstrained_output(llm):
     alone = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
     structured = [SamplingParams(temperature=t, seed=1, max_tokens=40,
-                                 structured_outputs=StructuredOutputsParams(json=schema)) for t in (0.0, 0.8)]
+                                 structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+                  for t in (0.0, 0.8)]
     outputs = llm.generate([prompts[0], prompts[0], prompts[0], prompts[1]],
                            [structured[0], params[0], structured[1], params[1]], use_tqdm=False)
     assert [outputs[1].outputs[0].token_ids, outputs[3].outputs[0].token_ids] == alone
@@ -226,13 +227,14 @@ def test_a_request_waits_for_its_compile_while_others_run(llm, monkeypatch):
     assert outputs[1].metrics.first_token_time < outputs[0].metrics.first_token_time
 
 
+@pytest.mark.slow
 def test_async_scheduling_gives_the_synchronous_outputs(llm):
     from runner import LLM
     prompts, free = _free_requests(llm)
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9},
                                                "ok": {"type": "boolean"}}, "required": ["n", "ok"]}
-    params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)),
-              SamplingParams(temperature=0.8, seed=5, max_tokens=40,
+    params = [SamplingParams(temperature=0.0, max_tokens=32, structured_outputs=StructuredOutputsParams(json=schema)),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=16,
                              structured_outputs=StructuredOutputsParams(regex="[a-z]{2,6}!")), *free]
     prompts = [prompts[0], prompts[1], *prompts]
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -243,8 +245,8 @@ def test_async_scheduling_gives_the_synchronous_outputs(llm):
 
 
 def test_benchmark_cpu_smoke(tmp_path):
-    from runner.cli import main
-    assert main(["bench", "structured", "--out", str(tmp_path), "--cpu-small"]) == 0
+    from runner.benchmarks.structured import main
+    assert main(["--out", str(tmp_path), "--cpu-small"]) == 0
     result = json.loads((tmp_path / "structured.json").read_text())
     summary = result["summary"]
     assert summary["free_decode_tok_s"] > 0 and summary["structured_decode_tok_s"] > 0

@@ -43,12 +43,16 @@ CONSTRAINTS = {
 
 
 def _shape_folder(shape: str, folder: Path, num_layers: int | None) -> Path:
-    """A config folder of a named shape (scripts/model_shapes.py: present in a source checkout)."""
-    scripts = Path(__file__).resolve().parents[2] / "scripts"
-    if not (scripts / "model_shapes.py").is_file():
-        raise SystemExit("--shape needs the source tree's scripts/model_shapes.py; pass --model DIR instead")
-    sys.path.insert(0, str(scripts))
-    from model_shapes import write_config
+    """A config folder of a named shape (runner/benchmarks/model_shapes.py, or in an older source
+    tree scripts/model_shapes.py)."""
+    try:
+        from runner.benchmarks.model_shapes import write_config
+    except ImportError:
+        scripts = Path(__file__).resolve().parents[2] / "scripts"
+        if not (scripts / "model_shapes.py").is_file():
+            raise SystemExit("--shape needs model_shapes.py; pass --model DIR instead") from None
+        sys.path.insert(0, str(scripts))
+        from model_shapes import write_config
     overrides = {} if num_layers is None else {"num_hidden_layers": num_layers}
     return write_config(shape, folder / shape, **overrides)
 
@@ -90,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="folder for structured.json")
     parser.add_argument("--model", help="HF config folder (dummy weights); default: the embedded SmolLM2's")
-    parser.add_argument("--shape", help="a scripts/model_shapes.py shape instead of --model (source tree)")
+    parser.add_argument("--shape", help="a model_shapes.py shape (llama-3.2-1b, ...) instead of --model")
     parser.add_argument("--num-layers", type=int, help="override the shape's layer count")
     parser.add_argument("--tokenizer", help="default: the embedded SmolLM2's")
     parser.add_argument("--batch", type=int, default=32)

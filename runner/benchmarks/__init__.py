@@ -1,1 +1,0 @@
-"""Benchmarks shipped with the package: `graphrunner bench <name> ...` runs `<name>.main(argv)`."""
