@@ -6,6 +6,8 @@ import enum
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from configs.structured_outputs import StructuredOutputsParams
+
 
 class RequestOutputKind(enum.IntEnum):
     """What each RequestOutput of a request carries (vLLM's names and values)."""
@@ -40,6 +42,8 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(None, ge=0, le=100)
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice list or grammar (runner/structured_output)."""
 
     @field_validator("stop", mode="before")
     @classmethod

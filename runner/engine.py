@@ -36,6 +36,8 @@ class _Tracked:
     """DELTA outputs: token ids (and logprob entries) already handed out..."""
     num_sent_chars: int = 0
     """...and characters of text."""
+    error: str | None = None
+    """Why the request failed (structured output: a refused token or a failed compile)."""
 
 
 def resolve_model_path(model: str, download_dir: str | None = None) -> str:
@@ -106,6 +108,8 @@ class LLMEngine:
         """The launched step whose tokens the next step() applies (async scheduling)."""
         self._undelivered: list[RequestOutput] = []
         """Outputs of an applied step that a failing launch kept from being returned; the next step() returns them."""
+        self._structured = None
+        """STRUCTURED OUTPUT: the StructuredOutputManager, made for the first request with a constraint."""
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "LLMEngine":
@@ -141,6 +145,53 @@ class LLMEngine:
         if (params.stop or not params.skip_special_tokens) and self.tokenizer is None:
             raise InvalidRequestError(f"request {request_id!r}: stop strings need a tokenizer, and "
                                       f"{self.model_path} has none")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise InvalidRequestError(f"request {request_id!r}: structured_outputs needs a tokenizer, and "
+                                          f"{self.model_path} has none")
+            if self.config.parallel.pipeline_parallel_size > 1:
+                raise InvalidRequestError(f"request {request_id!r}: structured_outputs is not supported with "
+                                          f"pipeline_parallel_size={self.config.parallel.pipeline_parallel_size}")
+
+    # ---- structured output (runner/structured_output) ------------------------------------------
+    @property
+    def structured_output(self):
+        """The StructuredOutputManager (made on first use: it builds the tokenizer's xgrammar info)."""
+        if self._structured is None:
+            from runner.structured_output import StructuredOutputManager
+            runner = self.executor.model_runner
+            self._structured = StructuredOutputManager(self.tokenizer, self.spec.vocab_size,
+                                                       self.config.scheduler.max_num_seqs, self.device)
+            runner.token_bitmask_provider = self._structured.token_bitmask
+        return self._structured
+
+    def _accept_structured(self, sampled: dict[str, int]) -> list[RequestOutput]:
+        """Advance each structured request's matcher by its token; a refused token aborts that
+        request alone (its output, with the error, is returned; the token is dropped)."""
+        outputs = []
+        structured = self._structured
+        for request_id in [r for r in sampled if r in structured.states]:
+            error = structured.accept(request_id, sampled[request_id])
+            if error is not None:
+                outputs.append(self._fail(request_id, error))
+        return outputs
+
+    def _fail(self, request_id: str, error: str) -> RequestOutput:
+        """Finish a request with "abort" and `error`, now; its final output."""
+        logger.warning("request %r failed: %s", request_id, error)
+        tracked = self._tracked.pop(request_id)
+        tracked.error = error
+        self.scheduler.finish_request(request_id, "abort")
+        self._structured.remove(request_id)
+        tracked.metrics.finished_time = time.monotonic()
+        return self._output(tracked)
+
+    def _structured_housekeeping(self) -> list[RequestOutput]:
+        """Requests whose grammar failed to compile end with an error output."""
+        if self._structured is None or not self._structured.active:
+            return []
+        return [self._fail(request_id, error) for request_id, error in self._structured.pop_failed()
+                if request_id in self._tracked]
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -156,10 +207,19 @@ class LLMEngine:
             token_ids, text = list(prompt), None
         self._validate(request_id, token_ids, params)
         request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params, prompt=text)
+        if params.structured_outputs is not None:  # parsed now (a bad one is refused), compiled in the background
+            try:
+                request.grammar = self.structured_output.add_request(request_id, params.structured_outputs)
+            except ValueError as error:
+                raise InvalidRequestError(f"request {request_id!r}: {error}") from error
         try:
             self.scheduler.add_request(request)
         except ValueError as error:
+            if request.grammar is not None:
+                self._structured.remove(request_id)
             raise InvalidRequestError(f"request {request_id!r}: {error}") from error
+        if request.grammar is not None:  # the grammar may end where the request may stop: EOS, stop ids
+            request.grammar.stop_token_ids = sorted(request.stop_token_ids)
         detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
                                                                             params.stop)
         self._tracked[request_id] = _Tracked(request, detok, [] if params.logprobs is not None else None,
@@ -171,6 +231,8 @@ class LLMEngine:
         if tracked is None:
             return None
         self.scheduler.abort_request(request_id)
+        if self._structured is not None:
+            self._structured.remove(request_id)
         return self._output(tracked)
 
     def has_unfinished_requests(self) -> bool:
@@ -183,27 +245,34 @@ class LLMEngine:
 
         With async scheduling the forward launched here is the next one, and the outputs are
         those of the step launched by the previous call (none on the first call)."""
+        failed = self._structured_housekeeping()
         if self.async_scheduling:
-            return self._step_async()
+            return failed + self._step_async()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             if sched.finished_ids or sched.preempted_ids:
                 self.executor.execute(sched)  # lets the runner drop per-request state (generators)
-            return []
+            if self._structured is not None and self.scheduler.has_unfinished_requests():
+                self._structured.wait_for_compiles()  # only compiling requests left: wait, do not spin
+            return failed
         try:
             result = self.executor.execute(sched)
         except BaseException:
             self.scheduler.cancel_step()  # the engine stays usable: the same step runs again next time
             raise
-        return self._apply(result)
+        return failed + self._apply(result)
 
     def _apply(self, result) -> list[RequestOutput]:
         """A step's tokens into the scheduler (stops, frees), then text, stop strings and outputs."""
         now = time.monotonic()
-        outputs = []
+        structured = self._structured if self._structured is not None and self._structured.active else None
+        outputs = [] if structured is None else self._accept_structured(result.sampled)
         for request in self.scheduler.update(result.sampled):
             tracked = self._tracked.get(request.request_id)
             if tracked is not None:
+                if (structured is not None and request.status is not RequestStatus.FINISHED
+                        and structured.is_terminated(request.request_id)):
+                    self.scheduler.finish_request(request.request_id, "stop")  # the grammar is complete
                 output = self._advance(tracked, result, now)
                 if output is not None:
                     outputs.append(output)
@@ -218,6 +287,12 @@ class LLMEngine:
         have to preempt, step n is applied first (a drain) and n+1 scheduled after it."""
         outputs = self._undelivered  # grows as steps are applied; kept for the next call if anything raises
         previous = self._in_flight
+        if previous is not None and self._structured is not None and self._structured.active:
+            # STRUCTURED OUTPUT: the next step's bitmask needs this step's tokens in the matchers,
+            # so apply it before scheduling (the host work of such steps does not overlap the device).
+            self._in_flight = None
+            outputs += self._resolve_and_apply(previous)
+            previous = None
         sched = self.scheduler.schedule()
         if sched is None:  # it would preempt blocks the step in flight writes: apply that step first
             self._in_flight = None
@@ -233,6 +308,8 @@ class LLMEngine:
                 raise
         elif sched.finished_ids or sched.preempted_ids:
             self.executor.execute(sched)  # lets the runner drop per-request state (generators)
+        if pending is None and previous is None and self._structured is not None and self._structured.active:
+            self._structured.wait_for_compiles()  # only compiling requests left: wait, do not spin
         self._in_flight = pending
         if previous is not None:
             outputs += self._resolve_and_apply(previous)
@@ -270,6 +347,8 @@ class LLMEngine:
         if request.status is RequestStatus.FINISHED:
             metrics.finished_time = now
             del self._tracked[request.request_id]
+            if request.grammar is not None:
+                self._structured.remove(request.request_id)
         return self._output(tracked)
 
     def _output(self, tracked: _Tracked) -> RequestOutput | None:
@@ -296,7 +375,9 @@ class LLMEngine:
                                           logprobs[:] if logprobs is not None else None, request.finish_reason,
                                           request.stop_reason, len(tokens))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, None, [completion],
-                             finished, tracked.metrics)
+                             finished, tracked.metrics, tracked.error)
 
     def shutdown(self) -> None:
+        if self._structured is not None:
+            self._structured.shutdown()
         self.executor.shutdown()

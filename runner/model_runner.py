@@ -97,6 +97,9 @@ class ModelRunner:
         self._prev_sampled: torch.Tensor | None = None
         """The last launched step's sampled tokens on the device (async): placeholders gather from it."""
         self.sampler = Sampler()
+        self.token_bitmask_provider = None
+        """Structured output: `(reqs, rows) -> TokenBitmask | None`, called after the forward is launched
+        (the host fills the bitmask while the device runs the step); set by the engine."""
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] | None = None
         self.cuda_graph_ready = False
@@ -417,6 +420,13 @@ class ModelRunner:
                 return tokens
         return argmax_rows(self._sampling_logits(reqs, rows, out, common, float32=False))
 
+    def _token_bitmask(self, reqs: list[ScheduledRequest], rows: list[int]):
+        """STRUCTURED OUTPUT: the step's TokenBitmask, filled on the host while the launched forward
+        runs; None without a provider or without a constrained row. A constrained step takes the
+        sampler (never the graph's greedy tokens or the CPU screened argmax): the mask must come first."""
+        provider = self.token_bitmask_provider
+        return None if provider is None else provider(reqs, rows)
+
     def _generators(self, reqs: list[ScheduledRequest], rows: list[int]) -> dict[int, torch.Generator]:
         generators = {}
         for row, i in enumerate(rows):
@@ -435,7 +445,8 @@ class ModelRunner:
         if not rows:
             return PendingOutput.ready(ModelRunnerOutput({}))
         params = [reqs[i].sampling_params for i in rows]
-        greedy = all(p.temperature == 0.0 and p.logprobs is None for p in params)
+        bitmask = self._token_bitmask(reqs, rows)  # STRUCTURED OUTPUT
+        greedy = bitmask is None and all(p.temperature == 0.0 and p.logprobs is None for p in params)
         logprobs = None
         if greedy:
             sampled = self._greedy_tokens(reqs, rows, hidden, common)
@@ -447,6 +458,7 @@ class ModelRunner:
                     metadata, temperature=self._to_device(metadata.temperature),
                     top_k=self._to_device(metadata.top_k), top_p=self._to_device(metadata.top_p),
                     min_p=self._to_device(metadata.min_p))
+            metadata.token_bitmask = bitmask
             result = self.sampler(logits, metadata)
             sampled, logprobs = result.sampled_token_ids, result.logprobs
         # Non-blocking to the host: pinned destinations (`_to_copy` pins them for a CUDA source).
@@ -478,12 +490,15 @@ class ModelRunner:
         if not rows:
             return ModelRunnerOutput({})
         params = [reqs[i].sampling_params for i in rows]
-        greedy = all(p.temperature == 0.0 and p.logprobs is None for p in params)
+        bitmask = self._token_bitmask(reqs, rows)  # STRUCTURED OUTPUT
+        greedy = bitmask is None and all(p.temperature == 0.0 and p.logprobs is None for p in params)
         if greedy:
             token_ids = self._greedy_tokens(reqs, rows, hidden, common).tolist()  # no sampling metadata
             return ModelRunnerOutput(dict(zip([reqs[i].request_id for i in rows], token_ids)))
         logits = self._sampling_logits(reqs, rows, hidden, common)
-        result = self.sampler(logits, SamplingMetadata.from_params(params, self._generators(reqs, rows), self.device))
+        metadata = SamplingMetadata.from_params(params, self._generators(reqs, rows), self.device)
+        metadata.token_bitmask = bitmask
+        result = self.sampler(logits, metadata)
         token_ids = result.sampled_token_ids.tolist()
         sampled = {reqs[i].request_id: token_ids[row] for row, i in enumerate(rows)}
         return ModelRunnerOutput(sampled, self._logprobs_dict(reqs, rows, result))

@@ -68,6 +68,9 @@ class Request:
     placeholder_row: int = -1
     """Row of the latest placeholder in its step's sampled-token tensor (the order of the step's
     sampling requests): a step that feeds the placeholder reads its token there, on the device."""
+    grammar: object | None = None
+    """Structured output: the request's GrammarState (runner/structured_output), None without a
+    constraint. The scheduler admits the request only once `grammar.ready` (its compile is done)."""
 
     def __post_init__(self) -> None:
         # A private copy: the caller's list must not grow or shrink under the scheduler.

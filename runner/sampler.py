@@ -66,6 +66,9 @@ class SamplingMetadata:
     no_min_p: bool
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> generator
     max_num_logprobs: int | None = None  # None: no row asked for logprobs
+    token_bitmask: object | None = None
+    """Structured output (runner/structured_output.TokenBitmask): its rows' disallowed tokens go to
+    -inf before anything else; None when no row is constrained."""
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], generators: dict[int, torch.Generator],
@@ -120,7 +123,9 @@ class Sampler:
     """
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        logits = logits.float()  # no-op for float32; the input is never modified in place
+        logits = logits.float()  # no-op for float32; only the structured-output mask writes into it
+        if metadata.token_bitmask is not None:  # STRUCTURED OUTPUT: the constrained rows, on the device
+            metadata.token_bitmask.apply(logits)
         greedy_ids = None if metadata.all_random else argmax_rows(logits)
         if metadata.all_greedy:
             sampled = greedy_ids

@@ -215,8 +215,12 @@ class Scheduler:
             break  # the request itself was preempted: nothing after it is left in `running`
 
         # Admitting new work right after preempting would only thrash the cache.
+        compiling: list[Request] = []  # structured output: requests whose grammar is still compiling
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.grammar is not None and not request.grammar.ready:  # STRUCTURED OUTPUT: wait, keep order
+                compiling.append(self.waiting.popleft())
+                continue
             hit_ids, num_cached = self.kv.get_computed_blocks(request)
             num_tokens = request.num_tokens
             num_new = num_tokens - num_cached
@@ -234,6 +238,7 @@ class Scheduler:
             bisect.insort(self.running, request, key=lambda r: self._priority[r.request_id])
             scheduled.append(make_entry(step, request, num_new, num_tokens, 0))
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
 
         if scheduled:
             steps.append(step)

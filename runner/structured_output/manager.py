@@ -1,0 +1,162 @@
+"""Per-request grammar matchers, the step's bitmask rows, and the sampled tokens' acceptance.
+
+The engine owns one StructuredOutputManager (it holds the tokenizer). For each step:
+1. the model runner launches the forward, then calls `token_bitmask(reqs, rows)` (its
+   `token_bitmask_provider`): every sampling row of a structured request gets its allowed
+   tokens from its matcher, written into a preallocated pinned host buffer while the device
+   runs the forward, then copied to the device without a host sync;
+2. the sampler applies it to those rows (bitmask.py);
+3. the engine hands every sampled token of a structured request to `accept`: a token the
+   grammar refuses fails that request alone; a token that completes the grammar (a stop token
+   the grammar allows only at an end state) terminates the matcher and the request ends "stop".
+
+The matcher's stop tokens are the request's (the model's EOS unless ignore_eos, and
+stop_token_ids), so EOS is allowed exactly where the grammar may end.
+
+The pinned buffer is reused every step: safe because a step's bitmask copy is enqueued before
+its sampling, and the next fill happens only after the engine has that step's tokens (the
+engine waits for them before scheduling a step with a structured request, also under async
+scheduling: docs/STRUCTURED_OUTPUT.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+
+import torch
+
+from configs.structured_outputs import StructuredOutputsParams
+from runner.structured_output.bitmask import TokenBitmask
+from runner.structured_output.grammar import GrammarCompilerService
+
+logger = logging.getLogger(__name__)
+
+FILL_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+"""Threads xgrammar fills a step's bitmask rows with (half the cores, at most 8: the engine's
+own thread and the device's launches keep the rest)."""
+
+
+@dataclass(eq=False)
+class GrammarState:
+    """One request's grammar: its compile (shared), then its own matcher. `ready` tells the
+    scheduler it may admit the request (compiled, or failed: the engine then aborts it)."""
+    future: Future
+    stop_token_ids: list[int] | None = None
+    matcher: object | None = None
+    submitted: float = 0.0
+
+    @property
+    def ready(self) -> bool:
+        return self.future.done()
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int, max_num_seqs: int, device: torch.device) -> None:
+        self.vocab_size, self.max_num_seqs, self.device = vocab_size, max_num_seqs, device
+        self.compilers = GrammarCompilerService(tokenizer, vocab_size)
+        self.states: dict[str, GrammarState] = {}
+        self._host_bitmask: torch.Tensor | None = None
+        self._batch = None
+        self.compile_wait_seconds = 0.0
+        """Time the engine spent waiting for compiles with nothing else to run (`wait_for_compiles`)."""
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, request_id: str, params: StructuredOutputsParams) -> GrammarState:
+        """Parse the constraint (InvalidGrammarError naming the field if bad) and queue its compile."""
+        state = GrammarState(self.compilers.submit(params), submitted=time.perf_counter())
+        self.states[request_id] = state
+        return state
+
+    def remove(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    @property
+    def active(self) -> bool:
+        """Some live request has structured output."""
+        return bool(self.states)
+
+    def pop_failed(self) -> list[tuple[str, str]]:
+        """(request id, error) of requests whose compile raised; they are forgotten here."""
+        failed = []
+        for request_id, state in list(self.states.items()):
+            if state.matcher is None and state.future.done() and state.future.exception() is not None:
+                failed.append((request_id, f"structured_outputs: the grammar failed to compile: "
+                                           f"{state.future.exception()}"))
+                del self.states[request_id]
+        return failed
+
+    def wait_for_compiles(self, timeout: float = 0.05) -> None:
+        """Block until some pending compile finishes (the engine has nothing else to run)."""
+        pending = [s.future for s in self.states.values() if not s.future.done()]
+        if pending:
+            started = time.perf_counter()
+            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+            self.compile_wait_seconds += time.perf_counter() - started
+
+    def _matcher(self, state: GrammarState):
+        if state.matcher is None:
+            from xgrammar import GrammarMatcher
+            state.matcher = GrammarMatcher(state.future.result(), override_stop_tokens=state.stop_token_ids or None)
+        return state.matcher
+
+    # ---- one step ------------------------------------------------------------------------
+    def _host(self) -> torch.Tensor:
+        if self._host_bitmask is None:
+            width = -(-self.vocab_size // 32)
+            self._host_bitmask = torch.zeros((self.max_num_seqs, width), dtype=torch.int32,
+                                             pin_memory=self.device.type == "cuda")
+        return self._host_bitmask
+
+    def _batch_matcher(self):
+        if self._batch is None:
+            from xgrammar import BatchGrammarMatcher
+            self._batch = BatchGrammarMatcher(max_threads=FILL_THREADS)
+        return self._batch
+
+    def token_bitmask(self, reqs, rows: list[int]) -> TokenBitmask | None:
+        """The bitmask of the step's sampling rows (`reqs[rows[k]]` samples row k), or None when no
+        sampling request has structured output. Called by the runner after the forward is launched."""
+        states = self.states
+        if not states:
+            return None
+        matchers, indices = [], []
+        for row, i in enumerate(rows):
+            state = states.get(reqs[i].request_id)
+            if state is not None:
+                matchers.append(self._matcher(state))
+                indices.append(row)
+        if not indices:
+            return None
+        host = self._host()
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(host, indices[0])
+        else:  # xgrammar fills the rows on its own threads, outside the GIL
+            self._batch_matcher().batch_fill_next_token_bitmask(matchers, host, indices)
+        bitmask = host[:len(rows)]
+        index_tensor = torch.tensor(indices, dtype=torch.int32)
+        if self.device.type != "cpu":
+            bitmask = bitmask.to(self.device, non_blocking=True)
+            index_tensor = index_tensor.pin_memory().to(self.device, non_blocking=True)
+        return TokenBitmask(bitmask, index_tensor, self.vocab_size)
+
+    def accept(self, request_id: str, token: int) -> str | None:
+        """Advance the request's matcher by its sampled token; an error message if the grammar
+        refuses it (None for requests without structured output)."""
+        state = self.states.get(request_id)
+        if state is None:
+            return None
+        matcher = self._matcher(state)
+        if not matcher.accept_token(token):
+            return f"structured_outputs: the grammar does not accept the sampled token {token}"
+        return None
+
+    def is_terminated(self, request_id: str) -> bool:
+        state = self.states.get(request_id)
+        return state is not None and state.matcher is not None and state.matcher.is_terminated()
+
+    def shutdown(self) -> None:
+        self.compilers.shutdown()
