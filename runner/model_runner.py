@@ -3,6 +3,7 @@
 Start-up follows DESIGN.md's warm-up contract: `profile_run` (no KV cache, graphs are
 never captured: `cuda_graph_ready` stays False), `initialize_kv_cache`, then
 `capture_cudagraphs`, which sets `cuda_graph_ready`. Until then every forward is eager.
+The CUDA-graph start-up steps (compile-ahead, graph reserve, capture) are runner/graph_start_up.py's.
 """
 
 from __future__ import annotations
@@ -12,13 +13,11 @@ import dataclasses
 import functools
 import logging
 import time
-from contextlib import contextmanager
-from typing import ClassVar, Iterator
+from typing import ClassVar
 
 import torch
 
 from attention.backends import get_attention_backend
-from launch.compile_ahead import compile_ahead, compile_threads, queuing_launches
 from attention.forward_context import ForwardContext, get_forward_context, set_forward_context
 from configs import CUDAGraphMode, EngineConfig, SamplingParams, set_active_kernel_config
 from models.hf_config import ModelSpec
@@ -26,8 +25,9 @@ from models.layers import screened_argmax
 from models.causal_lm import IntermediateTensors
 from models.loader import build_model
 from runner.cudagraph import (CUDA_GRAPHS, AddressCheck, BatchDescriptor, CapturePhase, CUDAGraphWrapper,
-                              CudagraphDispatcher, capture_all, default_capture_sizes, graph_pool,
-                              measure_graph_memory, prime_capture_stream, resolve_cudagraph_mode)
+                              CudagraphDispatcher, default_capture_sizes, graph_pool, prime_capture_stream,
+                              resolve_cudagraph_mode)
+from runner.graph_start_up import GraphStartUp
 from runner.input_batch import InputBatch
 from runner.outputs import Logprob, ModelRunnerOutput, PendingOutput
 from runner.sampler import Sampler, SamplingMetadata, argmax_rows, make_generator
@@ -68,7 +68,7 @@ def forward_with_decode_head(model, input_ids, positions, intermediate=None):
     return DecodeOutput(hidden, logits, argmax_rows(logits))
 
 
-class ModelRunner:
+class ModelRunner(GraphStartUp):
     def __init__(self, config: EngineConfig, spec: ModelSpec, model_path: str, device: torch.device,
                  dtype: torch.dtype, max_model_len: int, layer_range: range | None = None) -> None:
         self.config, self.spec, self.model_path = config, spec, model_path
@@ -198,121 +198,6 @@ class ModelRunner:
                     num_blocks * self.kv_cache_bytes_per_block() / 2**20)
 
     # ---- CUDA graphs -----------------------------------------------------------------------
-    def _dummy_batch(self, desc: BatchDescriptor) -> tuple[list[list[int]], int]:
-        """Inert requests of the descriptor's shape (every slot -1: capture never writes the cache)."""
-        if desc.uniform_decode:   # one request per token (a PIECEWISE key's canonical num_reqs is 0)
-            return [[0]] * desc.num_tokens, desc.num_tokens
-        per_req = self.max_model_len
-        num_reqs = max(desc.num_reqs, -(-desc.num_tokens // per_req))
-        lens = [1] * (num_reqs - 1)
-        lens.append(desc.num_tokens - sum(lens))
-        return [[0] * n for n in lens], max(num_reqs, desc.num_reqs)
-
-    def _capture_one(self, mode: CUDAGraphMode, desc: BatchDescriptor, forward=None) -> None:
-        """The descriptor's inert batch through the graph wrappers (which capture it), or through
-        `forward` instead (the model itself: `kernels_compiled_ahead`)."""
-        requests, padded_reqs = self._dummy_batch(desc)
-        common = self.input_batch.prepare(requests, [0] * len(requests), [[] for _ in requests],
-                                             desc.num_tokens, padded_reqs, slots_enabled=False)
-        self._forward(desc.num_tokens, common, mode, desc, forward)
-
-    @contextmanager
-    def kernels_compiled_ahead(self) -> Iterator[None]:
-        """Start-up inside this block compiles its Triton kernels on compiler threads
-        (launch/compile_ahead.py) instead of one at a time at their first launch.
-        Entering queues the compile of every variant the profile run and the graph captures will
-        launch: their inert batches run once through the model itself (no graph wrapper), the
-        profile batch without a KV cache, each capture key in its runtime mode (so FULL's split-KV
-        attention and the decode head pick the variants the capture will) against a one-block
-        scratch KV cache of the real cache's layout. The compiles then run while the block does
-        its work: a launch of a kernel still compiling waits for that one. Leaving waits for the
-        rest. A plain block on a CPU, with graphs off, or with CompilationConfig.compile_threads=0."""
-        threads = compile_threads(self.config.compilation.compile_threads)
-        if self.cudagraph_mode == CUDAGraphMode.NONE or self.device.type != "cuda" or threads < 1:
-            yield
-            return
-        started = time.perf_counter()
-        with compile_ahead(threads) as asynchronous:
-            if asynchronous:
-                with queuing_launches():
-                    self._run_start_up_batches(self.model_forward)
-                self.precompile_seconds = time.perf_counter() - started
-                logger.info("queued the compiles of the start-up's kernels (%d graph shapes) on %d threads in "
-                            "%.2f s", len(self.dispatcher.all_keys_to_capture()), threads, self.precompile_seconds)
-            yield
-            waiting = time.perf_counter()
-        self.compile_wait_seconds = time.perf_counter() - waiting
-
-    def _run_start_up_batches(self, forward) -> None:
-        """The profile batch (no KV cache), then every capture key's inert batch in the key's
-        runtime mode against a one-block scratch KV cache (dropped afterwards), through `forward`."""
-        with torch.inference_mode():
-            self._forward(*self._profile_batch(), CUDAGraphMode.NONE, None, forward)
-            self.initialize_kv_cache(1)
-            try:
-                for mode, desc in self.dispatcher.all_keys_to_capture():
-                    self._capture_one(mode, desc, forward)
-            finally:
-                self.kv_caches = None
-
-    def capture_cudagraphs(self) -> None:
-        """Capture every graph the dispatcher may pick, largest first, in one shared pool.
-        Skipped (one log line, cuda_graph_ready stays False) while there is no KV cache."""
-        if self.cudagraph_mode == CUDAGraphMode.NONE:
-            return
-        if self.kv_caches is None:
-            logger.info("cudagraph capture skipped: no KV cache yet (profile run); forwards run eager")
-            return
-        keys = self.dispatcher.all_keys_to_capture()
-        with torch.inference_mode(), self.capture_phase.capturing():
-            self.capture_summary = capture_all(keys, lambda key: self._capture_one(*key),
-                                               desc=f"capturing {self.cudagraph_mode.name} graphs",
-                                               estimate_bytes=getattr(self, "graph_reserve_bytes", None))
-        wrappers = [w for w in (self.full, self.piecewise) if w is not None]
-        if wrappers and wrappers[0].address_check is not AddressCheck.OFF:
-            recorded = sum(w.address_record_seconds for w in wrappers)
-            self.capture_summary = dataclasses.replace(self.capture_summary, address_record_seconds=recorded)
-            logger.info("cudagraph address check (%s): recorded the addresses of %d graphs in %.4f s; each graph's "
-                        "first replay compares them", wrappers[0].address_check.value,
-                        self.capture_summary.num_graphs, recorded)
-        self.dispatcher.mark_ready()
-        self.cuda_graph_ready = True
-
-    def measure_graph_reserve(self) -> int:
-        """Bytes the graphs will take: the largest graph of each runtime mode (uniform-decode and
-        mixed separately: the first computes the logits too) captured once into a throwaway pool of
-        its own (against a one-block scratch KV cache) and measured; the reserve is the largest of
-        these. That is the whole cost, not a sample of it: the real
-        captures go largest first into ONE pool shared by both modes, every later graph reuses
-        the blocks the earlier ones freed, and no graph keeps an output of its own (see
-        `CUDAGraphWrapper`), so the pool peaks at the most any single graph needs. (Capturing
-        both largest graphs into one throwaway pool would count the second on top of the first,
-        which the real pool never holds. `graphrunner bench capture` prints estimate / actual.)"""
-        if self.cudagraph_mode == CUDAGraphMode.NONE or self.device.type != "cuda":
-            return 0
-        largest = {}   # per mode, the largest uniform-decode graph (it holds the LM head: DecodeOutput) and mixed one
-        for mode, desc in self.dispatcher.all_keys_to_capture():
-            largest.setdefault((mode, desc.uniform_decode), desc)
-
-        def release() -> None:  # drop the throwaway graphs before the measurement empties the cache
-            self._build_graph_wrappers(None)
-            self.kv_caches = None
-
-        def measure(mode: CUDAGraphMode, desc: BatchDescriptor) -> int:
-            def capture_largest(pool) -> None:
-                self._build_graph_wrappers(pool)
-                self.initialize_kv_cache(1)
-                with torch.inference_mode(), self.capture_phase.capturing():
-                    self._capture_one(mode, desc)
-            return measure_graph_memory(capture_largest, release=release)
-
-        try:
-            self.graph_reserve_bytes = max(measure(mode, desc) for (mode, _), desc in largest.items())
-        finally:
-            self.kv_caches = None
-            self._build_graph_wrappers(graph_pool())
-        return self.graph_reserve_bytes
-
     # ---- one step --------------------------------------------------------------------------
     def _forward(self, padded_tokens: int, common, mode: CUDAGraphMode, desc: BatchDescriptor | None,
                  forward=None):

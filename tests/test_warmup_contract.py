@@ -76,7 +76,7 @@ def test_profile_run_skips_capture_then_capture_sets_ready(runner_factory, caplo
     NoOpGraphForTests.captures = 0
     KVRequiredBackend.calls_without_cache = 0
     runner.load_model()
-    with caplog.at_level(logging.INFO, logger="runner.model_runner"):
+    with caplog.at_level(logging.INFO, logger="runner.graph_start_up"):
         runner.profile_run()
     assert "cudagraph capture skipped: no KV cache yet" in caplog.text
     assert not runner.cuda_graph_ready and not runner.dispatcher.ready

@@ -24,6 +24,11 @@ Layout of the work (the vLLM design):
 Scores are kept in the log2 domain (scale * log2(e) folded in) so the softmax uses exp2.
 DOT_FP32 (CPU only) upcasts the dot operands: Triton's interpreter multiplies bf16 tensors as their
 raw 16-bit patterns (numpy has no bf16), so interpreted bf16 dots are wrong without it.
+
+Why one file of ~540 lines: it is one op, the kernel and its host-side launch (`_plan`, `StepAttention`).
+The launch passes every kernel parameter positionally in signature order (launch/fast_launch.py's
+contract), and StepAttention patches the first three by position, so a change to the kernel's
+parameters is a change to the launch in the same commit; split apart, the two would drift.
 """
 
 from __future__ import annotations

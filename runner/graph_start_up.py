@@ -1,0 +1,145 @@
+"""The CUDA-graph start-up steps of the model runner: compile the start-up's Triton kernels ahead
+(`kernels_compiled_ahead`), measure the graphs' memory before the KV cache is sized
+(`measure_graph_reserve`), and capture every graph the dispatcher may pick (`capture_cudagraphs`).
+
+Why a base class of ModelRunner and not a collaborator: these steps drive the runner's own forward
+(`_forward`, `_profile_batch`, `initialize_kv_cache`, `_build_graph_wrappers`) on its own buffers,
+and the engine, the pipeline workers and the tests call them on the runner. Keeping them here leaves
+runner/model_runner.py with one job: run a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from configs import CUDAGraphMode
+from launch.compile_ahead import compile_ahead, compile_threads, queuing_launches
+from runner.cudagraph import AddressCheck, BatchDescriptor, capture_all, graph_pool, measure_graph_memory
+
+logger = logging.getLogger(__name__)
+
+
+class GraphStartUp:
+    """Mixed into ModelRunner (see the module docstring); uses its config, dispatcher, input batch,
+    capture phase, graph wrappers and forward."""
+
+    def _dummy_batch(self, desc: BatchDescriptor) -> tuple[list[list[int]], int]:
+        """Inert requests of the descriptor's shape (every slot -1: capture never writes the cache)."""
+        if desc.uniform_decode:   # one request per token (a PIECEWISE key's canonical num_reqs is 0)
+            return [[0]] * desc.num_tokens, desc.num_tokens
+        per_req = self.max_model_len
+        num_reqs = max(desc.num_reqs, -(-desc.num_tokens // per_req))
+        lens = [1] * (num_reqs - 1)
+        lens.append(desc.num_tokens - sum(lens))
+        return [[0] * n for n in lens], max(num_reqs, desc.num_reqs)
+
+    def _capture_one(self, mode: CUDAGraphMode, desc: BatchDescriptor, forward=None) -> None:
+        """The descriptor's inert batch through the graph wrappers (which capture it), or through
+        `forward` instead (the model itself: `kernels_compiled_ahead`)."""
+        requests, padded_reqs = self._dummy_batch(desc)
+        common = self.input_batch.prepare(requests, [0] * len(requests), [[] for _ in requests],
+                                             desc.num_tokens, padded_reqs, slots_enabled=False)
+        self._forward(desc.num_tokens, common, mode, desc, forward)
+
+    @contextmanager
+    def kernels_compiled_ahead(self) -> Iterator[None]:
+        """Start-up inside this block compiles its Triton kernels on compiler threads
+        (launch/compile_ahead.py) instead of one at a time at their first launch.
+        Entering queues the compile of every variant the profile run and the graph captures will
+        launch: their inert batches run once through the model itself (no graph wrapper), the
+        profile batch without a KV cache, each capture key in its runtime mode (so FULL's split-KV
+        attention and the decode head pick the variants the capture will) against a one-block
+        scratch KV cache of the real cache's layout. The compiles then run while the block does
+        its work: a launch of a kernel still compiling waits for that one. Leaving waits for the
+        rest. A plain block on a CPU, with graphs off, or with CompilationConfig.compile_threads=0."""
+        threads = compile_threads(self.config.compilation.compile_threads)
+        if self.cudagraph_mode == CUDAGraphMode.NONE or self.device.type != "cuda" or threads < 1:
+            yield
+            return
+        started = time.perf_counter()
+        with compile_ahead(threads) as asynchronous:
+            if asynchronous:
+                with queuing_launches():
+                    self._run_start_up_batches(self.model_forward)
+                self.precompile_seconds = time.perf_counter() - started
+                logger.info("queued the compiles of the start-up's kernels (%d graph shapes) on %d threads in "
+                            "%.2f s", len(self.dispatcher.all_keys_to_capture()), threads, self.precompile_seconds)
+            yield
+            waiting = time.perf_counter()
+        self.compile_wait_seconds = time.perf_counter() - waiting
+
+    def _run_start_up_batches(self, forward) -> None:
+        """The profile batch (no KV cache), then every capture key's inert batch in the key's
+        runtime mode against a one-block scratch KV cache (dropped afterwards), through `forward`."""
+        with torch.inference_mode():
+            self._forward(*self._profile_batch(), CUDAGraphMode.NONE, None, forward)
+            self.initialize_kv_cache(1)
+            try:
+                for mode, desc in self.dispatcher.all_keys_to_capture():
+                    self._capture_one(mode, desc, forward)
+            finally:
+                self.kv_caches = None
+
+    def capture_cudagraphs(self) -> None:
+        """Capture every graph the dispatcher may pick, largest first, in one shared pool.
+        Skipped (one log line, cuda_graph_ready stays False) while there is no KV cache."""
+        if self.cudagraph_mode == CUDAGraphMode.NONE:
+            return
+        if self.kv_caches is None:
+            logger.info("cudagraph capture skipped: no KV cache yet (profile run); forwards run eager")
+            return
+        keys = self.dispatcher.all_keys_to_capture()
+        with torch.inference_mode(), self.capture_phase.capturing():
+            self.capture_summary = capture_all(keys, lambda key: self._capture_one(*key),
+                                               desc=f"capturing {self.cudagraph_mode.name} graphs",
+                                               estimate_bytes=getattr(self, "graph_reserve_bytes", None))
+        wrappers = [w for w in (self.full, self.piecewise) if w is not None]
+        if wrappers and wrappers[0].address_check is not AddressCheck.OFF:
+            recorded = sum(w.address_record_seconds for w in wrappers)
+            self.capture_summary = dataclasses.replace(self.capture_summary, address_record_seconds=recorded)
+            logger.info("cudagraph address check (%s): recorded the addresses of %d graphs in %.4f s; each graph's "
+                        "first replay compares them", wrappers[0].address_check.value,
+                        self.capture_summary.num_graphs, recorded)
+        self.dispatcher.mark_ready()
+        self.cuda_graph_ready = True
+
+    def measure_graph_reserve(self) -> int:
+        """Bytes the graphs will take: the largest graph of each runtime mode (uniform-decode and
+        mixed separately: the first computes the logits too) captured once into a throwaway pool of
+        its own (against a one-block scratch KV cache) and measured; the reserve is the largest of
+        these. That is the whole cost, not a sample of it: the real
+        captures go largest first into ONE pool shared by both modes, every later graph reuses
+        the blocks the earlier ones freed, and no graph keeps an output of its own (see
+        `CUDAGraphWrapper`), so the pool peaks at the most any single graph needs. (Capturing
+        both largest graphs into one throwaway pool measured 1.56x the real cost on an H100:
+        docs/PERFORMANCE.md.)"""
+        if self.cudagraph_mode == CUDAGraphMode.NONE or self.device.type != "cuda":
+            return 0
+        largest = {}   # per mode, the largest uniform-decode graph (it holds the LM head: DecodeOutput) and mixed one
+        for mode, desc in self.dispatcher.all_keys_to_capture():
+            largest.setdefault((mode, desc.uniform_decode), desc)
+
+        def release() -> None:  # drop the throwaway graphs before the measurement empties the cache
+            self._build_graph_wrappers(None)
+            self.kv_caches = None
+
+        def measure(mode: CUDAGraphMode, desc: BatchDescriptor) -> int:
+            def capture_largest(pool) -> None:
+                self._build_graph_wrappers(pool)
+                self.initialize_kv_cache(1)
+                with torch.inference_mode(), self.capture_phase.capturing():
+                    self._capture_one(mode, desc)
+            return measure_graph_memory(capture_largest, release=release)
+
+        try:
+            self.graph_reserve_bytes = max(measure(mode, desc) for (mode, _), desc in largest.items())
+        finally:
+            self.kv_caches = None
+            self._build_graph_wrappers(graph_pool())
+        return self.graph_reserve_bytes
