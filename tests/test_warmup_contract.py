@@ -156,7 +156,7 @@ def test_capture_records_addresses_for_the_first_replay_check_by_default(runner_
     runner, _ = runner_factory("FULL_AND_PIECEWISE")
     runner.load_model()
     runner.initialize_kv_cache(32)
-    with caplog.at_level(logging.INFO, logger="runner.model_runner"):
+    with caplog.at_level(logging.INFO, logger="runner.graph_start_up"):
         runner.capture_cudagraphs()
     assert runner.full.address_check is runner.piecewise.address_check is AddressCheck.FIRST_REPLAY
     assert all(entry.recorder is not None for w in (runner.full, runner.piecewise) for entry in w._entries.values())
