@@ -29,7 +29,7 @@ from runner.cudagraph import (CUDA_GRAPHS, BatchDescriptor, CapturePhase, CUDAGr
                               measure_graph_memory, prime_capture_stream, resolve_cudagraph_mode)
 from runner.input_batch import InputBatch
 from runner.outputs import Logprob, ModelRunnerOutput, PendingOutput
-from runner.sampler import Sampler, SamplingMetadata, argmax_rows, make_generator
+from runner.sampling import Sampler, SamplingMetadata, argmax_rows, make_generator
 from runner.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
