@@ -14,6 +14,7 @@ from runner.detokenizer import IncrementalDetokenizer
 from runner.outputs import CompletionOutput, PendingOutput, RequestMetrics, RequestOutput
 from runner.platform import resolve_device, resolve_dtype
 from runner.request import Request, RequestStatus
+from runner.sampling.bad_words import bad_words_token_ids
 from runner.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -134,6 +135,14 @@ class LLMEngine:
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(f"request {request_id!r}: prompt of {len(token_ids)} tokens leaves no room "
                                       f"to generate within max_model_len={self.max_model_len}")
+        for name, ids in params.token_id_fields().items():
+            outside = [t for t in ids if not 0 <= t < vocab]
+            if outside:
+                raise InvalidRequestError(f"request {request_id!r}: {name} has token id(s) {outside[:5]} outside the "
+                                          f"vocabulary [0, {vocab})")
+        if params.bad_words and self.tokenizer is None:
+            raise InvalidRequestError(f"request {request_id!r}: bad_words need a tokenizer, and {self.model_path} "
+                                      "has none")
         if (params.stop or not params.skip_special_tokens) and self.tokenizer is None:
             raise InvalidRequestError(f"request {request_id!r}: stop strings need a tokenizer, and "
                                       f"{self.model_path} has none")
@@ -152,6 +161,8 @@ class LLMEngine:
             token_ids, text = list(prompt), None
         self._validate(request_id, token_ids, params)
         request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params, prompt=text)
+        if params.bad_words:
+            request.bad_words_token_ids = bad_words_token_ids(params.bad_words, self.tokenizer)
         try:
             self.scheduler.add_request(request)
         except ValueError as error:
