@@ -52,8 +52,16 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    import importlib
     import runpy
     from pathlib import Path
+    try:  # an installed benchmark module first: works from a plain `pip install .`
+        module = importlib.import_module(f"runner.benchmarks.{args.which}")
+    except ModuleNotFoundError as error:
+        if error.name != f"runner.benchmarks.{args.which}":
+            raise
+    else:
+        return module.main(args.rest)
     scripts = Path(__file__).resolve().parent.parent / "scripts"
     script = scripts / f"bench_{args.which}.py"
     if not script.is_file():
@@ -82,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--pipeline-parallel-size", type=int, default=1, help="processes, each with a slice of layers")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.set_defaults(func=_generate)
-    bench = sub.add_parser("bench", help="run scripts/bench_<which>.py")
-    bench.add_argument("which", choices=["cpu", "decode", "throughput", "attention"])
+    bench = sub.add_parser("bench", help="run a benchmark (runner/benchmarks/<which>.py or scripts/bench_<which>.py)")
+    bench.add_argument("which", choices=["cpu", "decode", "throughput", "attention", "sampler"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_bench)
     args = parser.parse_args(argv)
