@@ -33,6 +33,8 @@ class _Tracked:
     """Per generated token {token id: Logprob}, when the request asked for logprobs."""
     metrics: RequestMetrics
     cumulative_logprob: float = 0.0
+    prompt_logprobs: list | None = None
+    """Prompt logprobs entries received so far (prompt_logprobs=k), in prompt order."""
 
 
 def resolve_model_path(model: str) -> str:
@@ -170,7 +172,8 @@ class LLMEngine:
         detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
                                                                             params.stop)
         self._tracked[request_id] = _Tracked(request, detok, [] if params.logprobs is not None else None,
-                                             RequestMetrics(arrival_time=time.monotonic()))
+                                             RequestMetrics(arrival_time=time.monotonic()),
+                                             prompt_logprobs=[] if params.prompt_logprobs is not None else None)
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -208,6 +211,14 @@ class LLMEngine:
         """A step's tokens into the scheduler (stops, frees), then text, stop strings and outputs."""
         now = time.monotonic()
         outputs = []
+        for request_id, entries in getattr(result, "prompt_logprobs", {}).items():
+            tracked = self._tracked.get(request_id)
+            if tracked is not None and tracked.prompt_logprobs is not None:
+                if self.tokenizer is not None:
+                    for entry in entries:
+                        for token, logprob in (entry or {}).items():
+                            logprob.decoded_token = self.tokenizer.decode([token])
+                tracked.prompt_logprobs.extend(entries)
         for request in self.scheduler.update(result.sampled):
             tracked = self._tracked.get(request.request_id)
             if tracked is not None:
@@ -286,7 +297,8 @@ class LLMEngine:
                                       tokens, tracked.cumulative_logprob if logprobs is not None else None,
                                       logprobs[:] if logprobs is not None else None, request.finish_reason,
                                       request.stop_reason, len(tokens))
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, None, [completion],
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, tracked.prompt_logprobs,
+                             [completion],
                              request.status is RequestStatus.FINISHED, tracked.metrics)
 
     def shutdown(self) -> None:

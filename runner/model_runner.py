@@ -30,6 +30,7 @@ from runner.cudagraph import (CUDA_GRAPHS, BatchDescriptor, CapturePhase, CUDAGr
 from runner.input_batch import InputBatch
 from runner.outputs import ModelRunnerOutput, PendingOutput
 from runner.sampling import SamplingMetadata, SamplingStage, argmax_rows
+from runner.sampling.prompt_logprobs import PromptLogprobs
 from runner.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class ModelRunner:
         """The last launched step's sampled tokens on the device (async): placeholders gather from it."""
         self.sampling = SamplingStage(spec.vocab_size, device)
         """The sampling path (runner/sampling/): the runner hands it the sampling rows and their logits."""
+        self.prompt_logprobs = PromptLogprobs()
         self.kv_caches: list[torch.Tensor] | None = None
         self.cuda_graph_ready = False
         self.precompile_seconds = 0.0
@@ -339,6 +341,7 @@ class ModelRunner:
         intermediate tensors to send on (other stages). Stages after the first must have
         received this step's input into `intermediate_view(padded_num_tokens(sched))` first."""
         self.sampling.release(sched.finished_ids)  # preempted requests keep their generators and counts
+        self.prompt_logprobs.release(sched.finished_ids)
         if not sched.scheduled:
             return ModelRunnerOutput({})
         mode, desc, padded_tokens, common = self.prepare(sched)
@@ -354,6 +357,7 @@ class ModelRunner:
         on the device with a non-blocking copy to pinned host memory under way. Single process
         only (the whole model, so this runner samples)."""
         self.sampling.release(sched.finished_ids)  # preempted requests keep their generators and counts
+        self.prompt_logprobs.release(sched.finished_ids)
         if not sched.scheduled:
             return PendingOutput.ready(ModelRunnerOutput({}))
         mode, desc, padded_tokens, common = self.prepare(sched)
@@ -400,9 +404,16 @@ class ModelRunner:
         on the device (`PendingOutput.sampled`) and go to pinned host memory by a non-blocking copy
         that a CUDA event marks. `hidden` is the forward's output (hidden rows or a DecodeOutput)."""
         rows = [i for i, r in enumerate(reqs) if r.sample]
+        prompt_logprobs = None
+        if any(r.sampling_params.prompt_logprobs is not None for r in reqs):
+            hidden_rows = hidden.hidden if isinstance(hidden, DecodeOutput) else hidden
+            prompt_logprobs = self.prompt_logprobs.launch(
+                reqs, common.query_start_loc_cpu.tolist(),
+                lambda token_rows: self.model.compute_logits(hidden_rows[self.sampling.to_device(
+                    torch.tensor(token_rows, dtype=torch.int64))], True))
         return self.sampling.launch([reqs[i] for i in rows],
                                     lambda: self._sampling_logits(reqs, rows, hidden, common),
-                                    lambda: self._greedy_tokens(reqs, rows, hidden, common))
+                                    lambda: self._greedy_tokens(reqs, rows, hidden, common), prompt_logprobs)
 
     def sample(self, reqs: list[ScheduledRequest], hidden, common) -> ModelRunnerOutput:
         """Synchronous scheduling: `sample_async` and its wait."""

@@ -198,3 +198,33 @@ def test_batched_logprobs_are_each_requests_own_log_softmax(tiny, async_scheduli
             assert set(top) <= set(entry) and len(entry) <= 4
             total += entry[token].logprob
         assert completion.cumulative_logprob == pytest.approx(total, abs=1e-5)
+
+
+@pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 16, "max_num_seqs": 4},
+                                     {"async_scheduling": True, "max_num_batched_tokens": 16},
+                                     {"num_kv_blocks": 12, "max_model_len": 128}],
+                         ids=["default", "chunked", "async-chunked", "preemption"])
+def test_prompt_logprobs_equal_hf_log_softmax(tiny, options):
+    """vLLM's shape (None, then {prompt token, top-k}); chunked prefill appends per chunk; the
+    shared-prefix prompts run twice, so the second run would hit the prefix cache without the skip."""
+    path, hf, prompts = tiny
+    llm = _llm(path, **options)
+    chosen = prompts[-6:] + prompts[:4]
+    params = [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True,
+                             prompt_logprobs=2 if i % 3 else None) for i in range(len(chosen))]
+    for _ in range(2):
+        outs = llm.generate(chosen, params, use_tqdm=False)
+        for prompt, p, out in zip(chosen, params, outs):
+            if p.prompt_logprobs is None:
+                assert out.prompt_logprobs is None
+                continue
+            got = out.prompt_logprobs
+            assert len(got) == len(prompt) and got[0] is None
+            want = torch.log_softmax(hf_prefill_logits(hf, prompt), dim=-1)
+            for j in range(1, len(prompt)):
+                entry, row = got[j], want[j - 1]
+                assert next(iter(entry)) == prompt[j]
+                assert set(row.topk(2).indices.tolist()) <= set(entry) and len(entry) <= 3
+                for token, lp in entry.items():
+                    assert lp.logprob == pytest.approx(float(row[token]), abs=1e-4)
+                    assert lp.rank == int((row > row[token]).sum()) + 1

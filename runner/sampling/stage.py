@@ -46,11 +46,17 @@ class SamplingStage:
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def launch(self, reqs: list[ScheduledRequest], logits: Callable[[], torch.Tensor],
-               fast_greedy: Callable[[], torch.Tensor]) -> PendingOutput:
+               fast_greedy: Callable[[], torch.Tensor],
+               prompt_logprobs: Callable[[], dict] | None = None) -> PendingOutput:
         """Sample one token for each of `reqs` (row i for reqs[i]). `logits()` gives their logits
-        [len(reqs), V]; `fast_greedy()` their argmax, for a plain greedy step."""
+        [len(reqs), V]; `fast_greedy()` their argmax, for a plain greedy step. `prompt_logprobs`
+        (from `PromptLogprobs.launch`, enqueued before this) builds the step's prompt logprobs
+        once its copies are on the host."""
         if not reqs:
-            return PendingOutput.ready(ModelRunnerOutput({}))
+            if prompt_logprobs is None:
+                return PendingOutput.ready(ModelRunnerOutput({}))
+            return self._pending(reqs, torch.empty(0, dtype=torch.int64, device=self.device), None,
+                                 prompt_logprobs)
         params = [req.sampling_params for req in reqs]
         processors = LogitsProcessors.build(reqs, self.states, self.vocab_size, self.to_device)
         logprobs = None
@@ -69,9 +75,10 @@ class SamplingStage:
             sampled, logprobs = result.sampled_token_ids, result.logprobs
             if processors is not None:
                 processors.record(sampled)
-        return self._pending(reqs, sampled, logprobs)
+        return self._pending(reqs, sampled, logprobs, prompt_logprobs)
 
-    def _pending(self, reqs: list[ScheduledRequest], sampled: torch.Tensor, logprobs) -> PendingOutput:
+    def _pending(self, reqs: list[ScheduledRequest], sampled: torch.Tensor, logprobs,
+                 prompt_logprobs: Callable[[], dict] | None = None) -> PendingOutput:
         # Non-blocking to the host: pinned destinations (`_to_copy` pins them for a CUDA source).
         host = sampled.to("cpu", non_blocking=True)
         host_logprobs = None
@@ -93,6 +100,8 @@ class SamplingStage:
                 top_ids, top_lps, sampled_lps, sampled_ranks = (t.tolist() for t in host_logprobs)
                 output.logprobs = logprobs_entries(request_ids, num_logprobs, token_ids, sampled_lps, sampled_ranks,
                                                    top_ids, top_lps)
+            if prompt_logprobs is not None:
+                output.prompt_logprobs = prompt_logprobs()
             return output
 
         return PendingOutput(finish, event, sampled)
