@@ -63,6 +63,9 @@ class Request:
     `add_request`: the sampler bans them and holds no tokenizer."""
     sampler_needs_prompt: bool = False
     """Whether the sampler reads the prompt's token ids (repetition_penalty, prompt_logprobs)."""
+    logits_processors: bool = False
+    """Whether the params turn on a penalty or a logit control (min_tokens aside, which the sampler
+    checks per step): computed once, the sampler asks every step."""
     num_inflight_tokens: int = 0
     """Tokens scheduled in steps whose results are not applied yet (async scheduling): the
     scheduler counts `num_computed_tokens + num_inflight_tokens` as computed when it schedules
@@ -81,6 +84,7 @@ class Request:
             raise ValueError(f"request {self.request_id!r} has an empty prompt")
         params = self.sampling_params
         self.sampler_needs_prompt = params.repetition_penalty != 1.0 or params.prompt_logprobs is not None
+        self.logits_processors = params.needs_logits_processors
 
     @property
     def all_token_ids(self) -> list[int]:

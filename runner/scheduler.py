@@ -44,6 +44,7 @@ class ScheduledRequest:           # one request's share of a step
     prompt_token_ids: list[int] | None = None     # the prompt (a reference), where the sampler needs it:
     #                                               repetition_penalty and prompt_logprobs; None otherwise
     bad_words_token_ids: list[list[int]] | None = None  # Request.bad_words_token_ids (a reference)
+    logits_processors: bool = False                     # Request.logits_processors
     # Async scheduling: token_ids == [PLACEHOLDER_TOKEN_ID] marks a decode of the token in flight; the
     # SchedulerOutput's prev_* rows say where it comes from (no field here: the synchronous hot path
     # builds one of these per request per step).
@@ -259,7 +260,7 @@ class Scheduler:
                                 request.block_ids, sample, params,
                                 len(request.output_token_ids), request.block_table_id, request.stop_token_ids,
                                 request.prompt_token_ids if request.sampler_needs_prompt else None,
-                                request.bad_words_token_ids)
+                                request.bad_words_token_ids, request.logits_processors)
 
     @staticmethod
     def _entry_async(step: _Step, request: Request, num_new: int, num_tokens: int,
@@ -280,7 +281,7 @@ class Scheduler:
                                 request.sampling_params, len(request.output_token_ids) + placeholders,
                                 request.block_table_id, request.stop_token_ids,
                                 request.prompt_token_ids if request.sampler_needs_prompt else None,
-                                request.bad_words_token_ids)
+                                request.bad_words_token_ids, request.logits_processors)
 
     def _undo(self, step: _Step) -> None:
         """Forget a step's in-flight accounting (its blocks stay: the same work comes again)."""

@@ -20,7 +20,8 @@ CPU = torch.device("cpu")
 
 def _req(rid: str, params: SamplingParams, outputs: int = 0, stop_ids=frozenset(), prompt=None,
          bad_words=None) -> ScheduledRequest:
-    return ScheduledRequest(rid, [0], 0, [], True, params, outputs, -1, frozenset(stop_ids), prompt, bad_words)
+    return ScheduledRequest(rid, [0], 0, [], True, params, outputs, -1, frozenset(stop_ids), prompt, bad_words,
+                            params.needs_logits_processors or bad_words is not None)
 
 
 def _processors(reqs, states=None):

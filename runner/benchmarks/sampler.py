@@ -54,8 +54,8 @@ def time_stage(scenario: str, batch: int, vocab: int, device: torch.device, iter
     logits = torch.randn(batch, vocab, device=device, generator=g).to(torch.bfloat16)
     prompt = torch.randint(0, vocab, (prompt_len,)).tolist()
     params = _params(scenario)
-    reqs = [ScheduledRequest(f"r{i}", [0], 0, [], True, params, 0, -1, frozenset({vocab - 1}), prompt, None)
-            for i in range(batch)]
+    reqs = [ScheduledRequest(f"r{i}", [0], 0, [], True, params, 0, -1, frozenset({vocab - 1}), prompt, None,
+                             params.needs_logits_processors) for i in range(batch)]
     words = (vocab + 31) // 32
     bitmask = torch.randint(-2**31, 2**31 - 1, (batch, words), device=device, dtype=torch.int32, generator=g)
     stage = SamplingStage(vocab, device)

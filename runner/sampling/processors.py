@@ -24,10 +24,8 @@ _NEG_INF = float("-inf")
 
 def needs_processors(req: ScheduledRequest) -> bool:
     """Whether the row's logits must be changed this step (the greedy fast paths cannot serve it)."""
-    params = req.sampling_params
-    if req.output_token_count < params.min_tokens and req.stop_token_ids:
-        return True
-    return params.needs_logits_processors or bool(req.bad_words_token_ids)
+    return req.logits_processors or (req.output_token_count < req.sampling_params.min_tokens
+                                     and bool(req.stop_token_ids))
 
 
 @dataclass
