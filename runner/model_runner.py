@@ -410,7 +410,7 @@ class ModelRunner:
             prompt_logprobs = self.prompt_logprobs.launch(
                 reqs, common.query_start_loc_cpu.tolist(),
                 lambda token_rows: self.model.compute_logits(hidden_rows[self.sampling.to_device(
-                    torch.tensor(token_rows, dtype=torch.int64))], True))
+                    torch.tensor(token_rows, dtype=torch.int64))], True), self.sampling.to_device)
         return self.sampling.launch([reqs[i] for i in rows],
                                     lambda: self._sampling_logits(reqs, rows, hidden, common),
                                     lambda: self._greedy_tokens(reqs, rows, hidden, common), prompt_logprobs)

@@ -154,7 +154,7 @@ class LogitsProcessors:
             x.index_put_((b.rows, b.last), torch.zeros_like(b.last, dtype=x.dtype).masked_fill(match, _NEG_INF),
                          accumulate=True)
         if self.banned is not None:
-            x.index_put_(self.banned, torch.tensor(_NEG_INF, device=x.device))
+            x[self.banned] = _NEG_INF   # a Python scalar: no host-to-device copy (which would sync)
         if self.bias is not None:
             rows, tokens, values = self.bias
             x.index_put_((rows, tokens), values, accumulate=True)

@@ -30,11 +30,13 @@ class PromptLogprobs:
             self.emitted.pop(request_id, None)
 
     def launch(self, reqs: list[ScheduledRequest], query_start_loc: list[int],
-               logits_of_rows: Callable[[list[int]], torch.Tensor]) -> Callable[[], dict] | None:
+               logits_of_rows: Callable[[list[int]], torch.Tensor],
+               to_device: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], dict] | None:
         """Enqueue the step's prompt logprobs: `reqs` is the whole step (row i of the flattened
         batch starts at query_start_loc[i]); `logits_of_rows(rows)` gives float32 logits of those
         token rows. Returns a function that builds {request id: [entries]} once the step's
-        copies have reached the host, or None when no request of the step needs any."""
+        copies have reached the host, or None when no request of the step needs any. `to_device`
+        moves a small host tensor to the device without a host sync."""
         rows: list[int] = []
         targets: list[int] = []
         plan: list[tuple[str, int, bool, int]] = []   # (request id, k, leading None, number of rows)
@@ -60,7 +62,7 @@ class PromptLogprobs:
         host = None
         if rows:
             logprobs = torch.log_softmax(logits_of_rows(rows), dim=-1)
-            target = torch.tensor(targets, dtype=torch.int64).to(logprobs.device, non_blocking=True)
+            target = to_device(torch.tensor(targets, dtype=torch.int64))
             target_lp = logprobs.gather(1, target.unsqueeze(1))
             ranks = (logprobs > target_lp).sum(dim=-1) + 1
             k_max = max(k for _, k, _, _ in plan)

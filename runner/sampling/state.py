@@ -84,6 +84,8 @@ class SamplingStates:
             if req.prompt_token_ids is None:
                 raise RuntimeError(f"request {req.request_id!r}: repetition_penalty needs the prompt's token ids")
             prompt = torch.tensor(req.prompt_token_ids, dtype=torch.int64).clamp_(0, self.vocab_size - 1)
+            if self.device.type == "cuda":  # pinned: a pageable upload would wait for the step in flight
+                prompt = prompt.pin_memory()
             self.prompt_mask[slot, prompt.to(self.device, non_blocking=True)] = True
         words = req.bad_words_token_ids or []
         window = max((len(word) - 1 for word in words), default=0)
