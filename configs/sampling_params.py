@@ -9,6 +9,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from configs.structured_outputs import StructuredOutputsParams
 
 
+SEED_MAX = 2**64 - 1
+"""The largest seed: torch's generators take an unsigned 64-bit seed."""
+
+
 class RequestOutputKind(enum.IntEnum):
     """What each RequestOutput of a request carries (vLLM's names and values)."""
     CUMULATIVE = 0
@@ -24,7 +28,16 @@ class SamplingParams(BaseModel):
 
     temperature 0 means greedy. top_k 0 or -1 disables top-k; top_p 1 disables
     top-p; min_p 0 disables min-p. `logprobs=k` returns the sampled token's logprob
-    and the top-k logprobs of each step.
+    and the top-k logprobs of each step; `prompt_logprobs=k` those of each prompt token.
+
+    Logit controls, applied before temperature and the filters (vLLM's meanings):
+    `presence_penalty` / `frequency_penalty` subtract `frequency_penalty * count + presence_penalty
+    * (count > 0)` from each token's logit, counting the OUTPUT tokens so far; `repetition_penalty`
+    divides the positive and multiplies the negative logits of every token seen in the prompt or
+    the output (HF's and vLLM's rule); `logit_bias` adds a bias per token id; `allowed_token_ids`
+    masks every other token; `bad_words` are banned (a one-token word always; a longer one's last
+    token when the output ends with the rest of it). EOS and `stop_token_ids` cannot be sampled
+    before `min_tokens` output tokens.
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -38,8 +51,15 @@ class SamplingParams(BaseModel):
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = None
     logprobs: int | None = Field(None, ge=0, le=100)
+    prompt_logprobs: int | None = Field(None, ge=0, le=100)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
@@ -61,6 +81,44 @@ class SamplingParams(BaseModel):
             raise ValueError("stop strings must be non-empty")
         return value
 
+    @field_validator("seed")
+    @classmethod
+    def _seed_in_generator_range(cls, value: int | None) -> int | None:
+        # torch.Generator.manual_seed takes an unsigned 64-bit seed (CPU and CUDA alike).
+        if value is not None and not 0 <= value <= SEED_MAX:
+            raise ValueError(f"seed must be an integer in [0, 2**64 - 1] = [0, {SEED_MAX}], got {value}")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_are_token_ids(cls, value: dict[int, float] | None) -> dict[int, float] | None:
+        if value is None:
+            return None
+        bad = [token for token in value if token < 0]
+        if bad:
+            raise ValueError(f"logit_bias keys must be token ids >= 0, got {bad[:5]}")
+        # vLLM clamps biases to [-100, 100]: beyond that a bias only overflows half precision.
+        return {token: max(-100.0, min(100.0, bias)) for token, bias in value.items()}
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _allowed_not_empty(cls, value: list[int] | None) -> list[int] | None:
+        if value is None:
+            return None
+        if not value:
+            raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+        bad = [token for token in value if token < 0]
+        if bad:
+            raise ValueError(f"allowed_token_ids must be token ids >= 0, got {bad[:5]}")
+        return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _no_empty_bad_word(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any(not word.strip() for word in value):
+            raise ValueError("bad_words must be non-empty strings")
+        return value
+
     @field_validator("min_tokens")
     @classmethod
     def _min_le_max(cls, value: int, info) -> int:
@@ -72,3 +130,18 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def needs_logits_processors(self) -> bool:
+        """Whether any logit control or penalty is on (min_tokens aside: it applies per step)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words))
+
+    def token_id_fields(self) -> dict[str, list[int]]:
+        """The token ids this request names, by field: the engine checks them against the vocabulary."""
+        fields = {}
+        if self.logit_bias:
+            fields["logit_bias"] = list(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            fields["allowed_token_ids"] = list(self.allowed_token_ids)
+        return fields

@@ -14,6 +14,7 @@ from runner.detokenizer import IncrementalDetokenizer
 from runner.outputs import CompletionOutput, PendingOutput, RequestMetrics, RequestOutput
 from runner.platform import resolve_device, resolve_dtype
 from runner.request import Request, RequestStatus
+from runner.sampling.bad_words import bad_words_token_ids
 from runner.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ class _Tracked:
     """...and characters of text."""
     error: str | None = None
     """Why the request failed (structured output: a refused token or a failed compile)."""
+    prompt_logprobs: list | None = None
+    """Prompt logprobs entries received so far (prompt_logprobs=k), in prompt order."""
 
 
 def resolve_model_path(model: str, download_dir: str | None = None) -> str:
@@ -142,6 +145,14 @@ class LLMEngine:
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(f"request {request_id!r}: prompt of {len(token_ids)} tokens leaves no room "
                                       f"to generate within max_model_len={self.max_model_len}")
+        for name, ids in params.token_id_fields().items():
+            outside = [t for t in ids if not 0 <= t < vocab]
+            if outside:
+                raise InvalidRequestError(f"request {request_id!r}: {name} has token id(s) {outside[:5]} outside the "
+                                          f"vocabulary [0, {vocab})")
+        if params.bad_words and self.tokenizer is None:
+            raise InvalidRequestError(f"request {request_id!r}: bad_words need a tokenizer, and {self.model_path} "
+                                      "has none")
         if (params.stop or not params.skip_special_tokens) and self.tokenizer is None:
             raise InvalidRequestError(f"request {request_id!r}: stop strings need a tokenizer, and "
                                       f"{self.model_path} has none")
@@ -212,6 +223,8 @@ class LLMEngine:
                 request.grammar = self.structured_output.add_request(request_id, params.structured_outputs)
             except ValueError as error:
                 raise InvalidRequestError(f"request {request_id!r}: {error}") from error
+        if params.bad_words:
+            request.bad_words_token_ids = bad_words_token_ids(params.bad_words, self.tokenizer)
         try:
             self.scheduler.add_request(request)
         except ValueError as error:
@@ -223,7 +236,8 @@ class LLMEngine:
         detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
                                                                             params.stop)
         self._tracked[request_id] = _Tracked(request, detok, [] if params.logprobs is not None else None,
-                                             RequestMetrics(arrival_time=time.monotonic()))
+                                             RequestMetrics(arrival_time=time.monotonic()),
+                                             prompt_logprobs=[] if params.prompt_logprobs is not None else None)
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -267,6 +281,14 @@ class LLMEngine:
         now = time.monotonic()
         structured = self._structured if self._structured is not None and self._structured.active else None
         outputs = [] if structured is None else self._accept_structured(result.sampled)
+        for request_id, entries in getattr(result, "prompt_logprobs", {}).items():
+            tracked = self._tracked.get(request_id)
+            if tracked is not None and tracked.prompt_logprobs is not None:
+                if self.tokenizer is not None:
+                    for entry in entries:
+                        for token, logprob in (entry or {}).items():
+                            logprob.decoded_token = self.tokenizer.decode([token])
+                tracked.prompt_logprobs.extend(entries)
         for request in self.scheduler.update(result.sampled):
             tracked = self._tracked.get(request.request_id)
             if tracked is not None:
@@ -374,7 +396,7 @@ class LLMEngine:
             completion = CompletionOutput(0, text, tokens, tracked.cumulative_logprob if logprobs is not None else None,
                                           logprobs[:] if logprobs is not None else None, request.finish_reason,
                                           request.stop_reason, len(tokens))
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, None, [completion],
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, tracked.prompt_logprobs, [completion],
                              finished, tracked.metrics, tracked.error)
 
     def shutdown(self) -> None:

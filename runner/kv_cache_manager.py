@@ -82,8 +82,8 @@ class KVCacheManager:
         the logits to sample from, so at most `(num_tokens - 1) // block_size` blocks can hit.
         Takes no references; pass the ids to `allocate_slots`.
         """
-        if not self.enable_prefix_caching or request.block_ids:
-            return [], 0
+        if not self.enable_prefix_caching or request.block_ids or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt_logprobs need every prompt position's logits: recompute (as vLLM)
         hits: list[int] = []
         for block_hash in self._hashes(request, (request.num_tokens - 1) // self.block_size):
             block_id = self.pool.lookup(block_hash)

@@ -29,8 +29,9 @@ from runner.cudagraph import (CUDA_GRAPHS, AddressCheck, BatchDescriptor, Captur
                               resolve_cudagraph_mode)
 from runner.graph_start_up import GraphStartUp
 from runner.input_batch import InputBatch
-from runner.outputs import Logprob, ModelRunnerOutput, PendingOutput
-from runner.sampler import Sampler, SamplingMetadata, argmax_rows, make_generator
+from runner.outputs import ModelRunnerOutput, PendingOutput
+from runner.sampling import SamplingMetadata, SamplingStage, argmax_rows
+from runner.sampling.prompt_logprobs import PromptLogprobs
 from runner.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -96,11 +97,12 @@ class ModelRunner(GraphStartUp):
                                       guard_uploads=self.async_scheduling)
         self._prev_sampled: torch.Tensor | None = None
         """The last launched step's sampled tokens on the device (async): placeholders gather from it."""
-        self.sampler = Sampler()
+        self.sampling = SamplingStage(spec.vocab_size, device)
+        """The sampling path (runner/sampling/): the runner hands it the sampling rows and their logits."""
+        self.prompt_logprobs = PromptLogprobs()
         self.token_bitmask_provider = None
         """Structured output: `(reqs, rows) -> TokenBitmask | None`, called after the forward is launched
         (the host fills the bitmask while the device runs the step); set by the engine."""
-        self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] | None = None
         self.cuda_graph_ready = False
         self.steps_by_mode: collections.Counter = collections.Counter()
@@ -173,7 +175,7 @@ class ModelRunner(GraphStartUp):
         if hidden is not None and self.model.model.is_last:
             logits = self.model.compute_logits(hidden[: min(self.max_num_reqs, hidden.shape[0])])
             profile_params = [SamplingParams(top_k=50, top_p=0.9, logprobs=5)] * logits.shape[0]
-            self.sampler(logits, SamplingMetadata.from_params(profile_params, {}, self.device))
+            self.sampling.sampler(logits, SamplingMetadata.from_params(profile_params, {}, self.device))
         if self.device.type != "cuda":
             return 0
         torch.cuda.synchronize(self.device)
@@ -242,8 +244,8 @@ class ModelRunner(GraphStartUp):
         """Run one scheduled step. Returns sampled tokens (last pipeline stage) or the
         intermediate tensors to send on (other stages). Stages after the first must have
         received this step's input into `intermediate_view(padded_num_tokens(sched))` first."""
-        for request_id in sched.finished_ids + sched.preempted_ids:
-            self.generators.pop(request_id, None)
+        self.sampling.release(sched.finished_ids)  # preempted requests keep their generators and counts
+        self.prompt_logprobs.release(sched.finished_ids)
         if not sched.scheduled:
             return ModelRunnerOutput({})
         mode, desc, padded_tokens, common = self.prepare(sched)
@@ -258,8 +260,8 @@ class ModelRunner(GraphStartUp):
         are gathered on the device from the previous launch's tokens, and the sampled tokens stay
         on the device with a non-blocking copy to pinned host memory under way. Single process
         only (the whole model, so this runner samples)."""
-        for request_id in sched.finished_ids + sched.preempted_ids:
-            self.generators.pop(request_id, None)
+        self.sampling.release(sched.finished_ids)  # preempted requests keep their generators and counts
+        self.prompt_logprobs.release(sched.finished_ids)
         if not sched.scheduled:
             return PendingOutput.ready(ModelRunnerOutput({}))
         mode, desc, padded_tokens, common = self.prepare(sched)
@@ -267,14 +269,6 @@ class ModelRunner(GraphStartUp):
         pending = self.sample_async(sched.scheduled, hidden, common)
         self._prev_sampled = pending.sampled  # last: a failed launch leaves the previous step's tokens
         return pending
-
-    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A small host tensor to the device without a host sync (a pageable copy would wait for
-        the step in flight): through pinned memory, which the caching host allocator keeps until
-        the copy has run."""
-        if self.device.type == "cpu":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def _sampling_logits(self, reqs: list[ScheduledRequest], rows: list[int], out, common,
                          float32: bool = True) -> torch.Tensor:
@@ -288,7 +282,7 @@ class ModelRunner(GraphStartUp):
         if common.uniform_decode and len(rows) == len(reqs):  # row i's one token is hidden row i: no gather
             return self.model.compute_logits(out[:len(reqs)], float32)
         last_token = common.query_start_loc_cpu[torch.tensor(rows) + 1].long() - 1
-        return self.model.compute_logits(out[self._to_device(last_token)], float32)
+        return self.model.compute_logits(out[self.sampling.to_device(last_token)], float32)
 
     def _greedy_tokens(self, reqs: list[ScheduledRequest], rows: list[int], out, common) -> torch.Tensor:
         """Greedy tokens of the sampling rows: the graph's (DecodeOutput, every row samples), on a
@@ -306,110 +300,33 @@ class ModelRunner(GraphStartUp):
         return argmax_rows(self._sampling_logits(reqs, rows, out, common, float32=False))
 
     def _token_bitmask(self, reqs: list[ScheduledRequest], rows: list[int]):
-        """STRUCTURED OUTPUT: the step's TokenBitmask, filled on the host while the launched forward
-        runs; None without a provider or without a constrained row. A constrained step takes the
-        sampler (never the graph's greedy tokens or the CPU screened argmax): the mask must come first."""
+        """Structured output: the step's TokenBitmask, filled on the host while the launched forward
+        runs; None without a provider or without a constrained row."""
         provider = self.token_bitmask_provider
         return None if provider is None else provider(reqs, rows)
 
-    def _generators(self, reqs: list[ScheduledRequest], rows: list[int]) -> dict[int, torch.Generator]:
-        generators = {}
-        for row, i in enumerate(rows):
-            seed = reqs[i].sampling_params.seed
-            if seed is not None:
-                rid = reqs[i].request_id
-                if rid not in self.generators:
-                    self.generators[rid] = make_generator(seed, self.device)
-                generators[row] = self.generators[rid]
-        return generators
+    @property
+    def generators(self) -> dict[str, torch.Generator]:
+        """The seeded requests' generators, by request id (kept until the request finishes)."""
+        return self.sampling.generators
 
-    def sample_async(self, reqs: list[ScheduledRequest], hidden: torch.Tensor, common) -> PendingOutput:
-        """`sample` without the host sync: the tokens stay on the device (`PendingOutput.sampled`)
-        and go to pinned host memory by a non-blocking copy that a CUDA event marks."""
+    def sample_async(self, reqs: list[ScheduledRequest], hidden, common) -> PendingOutput:
+        """The step's tokens, enqueued by the one sampling path (runner/sampling/stage.py): they stay
+        on the device (`PendingOutput.sampled`) and go to pinned host memory by a non-blocking copy
+        that a CUDA event marks. `hidden` is the forward's output (hidden rows or a DecodeOutput)."""
         rows = [i for i, r in enumerate(reqs) if r.sample]
-        if not rows:
-            return PendingOutput.ready(ModelRunnerOutput({}))
-        params = [reqs[i].sampling_params for i in rows]
-        bitmask = self._token_bitmask(reqs, rows)  # STRUCTURED OUTPUT
-        greedy = bitmask is None and all(p.temperature == 0.0 and p.logprobs is None for p in params)
-        logprobs = None
-        if greedy:
-            sampled = self._greedy_tokens(reqs, rows, hidden, common)
-        else:
-            logits = self._sampling_logits(reqs, rows, hidden, common)
-            metadata = SamplingMetadata.from_params(params, self._generators(reqs, rows), "cpu")
-            if self.device.type != "cpu":
-                metadata = dataclasses.replace(
-                    metadata, temperature=self._to_device(metadata.temperature),
-                    top_k=self._to_device(metadata.top_k), top_p=self._to_device(metadata.top_p),
-                    min_p=self._to_device(metadata.min_p))
-            metadata.token_bitmask = bitmask
-            result = self.sampler(logits, metadata)
-            sampled, logprobs = result.sampled_token_ids, result.logprobs
-        # Non-blocking to the host: pinned destinations (`_to_copy` pins them for a CUDA source).
-        host = sampled.to("cpu", non_blocking=True)
-        host_logprobs = None
-        if logprobs is not None:
-            host_logprobs = [t.to("cpu", non_blocking=True) for t in (logprobs.topk_token_ids, logprobs.topk_logprobs,
-                                                                       logprobs.sampled_logprobs,
-                                                                       logprobs.sampled_ranks)]
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        request_ids = [reqs[i].request_id for i in rows]
+        prompt_logprobs = None
+        if any(r.sampling_params.prompt_logprobs is not None for r in reqs):
+            hidden_rows = hidden.hidden if isinstance(hidden, DecodeOutput) else hidden
+            prompt_logprobs = self.prompt_logprobs.launch(
+                reqs, common.query_start_loc_cpu.tolist(),
+                lambda token_rows: self.model.compute_logits(hidden_rows[self.sampling.to_device(
+                    torch.tensor(token_rows, dtype=torch.int64))], True), self.sampling.to_device)
+        return self.sampling.launch([reqs[i] for i in rows],
+                                    lambda: self._sampling_logits(reqs, rows, hidden, common),
+                                    lambda: self._greedy_tokens(reqs, rows, hidden, common), prompt_logprobs,
+                                    self._token_bitmask(reqs, rows) if rows else None)
 
-        def finish() -> ModelRunnerOutput:
-            token_ids = host.tolist()
-            output = ModelRunnerOutput(dict(zip(request_ids, token_ids)))
-            if host_logprobs is not None:
-                top_ids, top_lps, sampled_lps, sampled_ranks = (t.tolist() for t in host_logprobs)
-                output.logprobs = self._logprobs_entries(reqs, rows, token_ids, sampled_lps, sampled_ranks, top_ids,
-                                                         top_lps)
-            return output
-
-        return PendingOutput(finish, event, sampled)
-
-    def sample(self, reqs: list[ScheduledRequest], hidden: torch.Tensor, common) -> ModelRunnerOutput:
-        rows = [i for i, r in enumerate(reqs) if r.sample]
-        if not rows:
-            return ModelRunnerOutput({})
-        params = [reqs[i].sampling_params for i in rows]
-        bitmask = self._token_bitmask(reqs, rows)  # STRUCTURED OUTPUT
-        greedy = bitmask is None and all(p.temperature == 0.0 and p.logprobs is None for p in params)
-        if greedy:
-            token_ids = self._greedy_tokens(reqs, rows, hidden, common).tolist()  # no sampling metadata
-            return ModelRunnerOutput(dict(zip([reqs[i].request_id for i in rows], token_ids)))
-        logits = self._sampling_logits(reqs, rows, hidden, common)
-        metadata = SamplingMetadata.from_params(params, self._generators(reqs, rows), self.device)
-        metadata.token_bitmask = bitmask
-        result = self.sampler(logits, metadata)
-        token_ids = result.sampled_token_ids.tolist()
-        sampled = {reqs[i].request_id: token_ids[row] for row, i in enumerate(rows)}
-        return ModelRunnerOutput(sampled, self._logprobs_dict(reqs, rows, result))
-
-    @staticmethod
-    def _logprobs_dict(reqs, rows, result) -> dict[str, dict[int, float]]:
-        if result.logprobs is None:
-            return {}
-        lp = result.logprobs
-        top_ids, top_lps = lp.topk_token_ids.tolist(), lp.topk_logprobs.tolist()
-        sampled_ids, sampled_lps = result.sampled_token_ids.tolist(), lp.sampled_logprobs.tolist()
-        return ModelRunner._logprobs_entries(reqs, rows, sampled_ids, sampled_lps, lp.sampled_ranks.tolist(),
-                                             top_ids, top_lps)
-
-    @staticmethod
-    def _logprobs_entries(reqs, rows, sampled_ids, sampled_lps, sampled_ranks, top_ids,
-                          top_lps) -> dict[str, dict[int, Logprob]]:
-        """{request id: {token id: Logprob}}: the sampled token first (with its rank), then the top-k
-        (ranks 1..k), as vLLM returns them."""
-        out = {}
-        for row, i in enumerate(rows):
-            k = reqs[i].sampling_params.logprobs
-            if k is None:
-                continue
-            entry = {sampled_ids[row]: Logprob(sampled_lps[row], sampled_ranks[row])}
-            for rank, (token, value) in enumerate(zip(top_ids[row][:k], top_lps[row][:k]), start=1):
-                entry.setdefault(token, Logprob(value, rank))
-            out[reqs[i].request_id] = entry
-        return out
+    def sample(self, reqs: list[ScheduledRequest], hidden, common) -> ModelRunnerOutput:
+        """Synchronous scheduling: `sample_async` and its wait."""
+        return self.sample_async(reqs, hidden, common).resolve()

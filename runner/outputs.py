@@ -13,6 +13,9 @@ class ModelRunnerOutput:
     logprobs: dict[str, dict[int, "Logprob"]] = field(default_factory=dict)
     """request id -> {token id: Logprob (logprob, rank; no text)} for the sampled token and the
     top-k, when asked."""
+    prompt_logprobs: dict[str, list[dict[int, "Logprob"] | None]] = field(default_factory=dict)
+    """request id -> this step's prompt logprobs entries (prompt_logprobs=k), in prompt order: a
+    prefill chunk's share, None first for the prompt's first token; the engine appends them."""
 
 
 class PendingOutput:

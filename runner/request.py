@@ -58,6 +58,14 @@ class Request:
     max_output_tokens: int = 0
     """The length limit as an output count: max_tokens, or what max_model_len leaves after the
     prompt if that is less. Set by the scheduler on `add_request`."""
+    bad_words_token_ids: list[list[int]] | None = None
+    """`sampling_params.bad_words` tokenized (runner/sampling/bad_words.py), set by the engine on
+    `add_request`: the sampler bans them and holds no tokenizer."""
+    sampler_needs_prompt: bool = False
+    """Whether the sampler reads the prompt's token ids (repetition_penalty, prompt_logprobs)."""
+    logits_processors: bool = False
+    """Whether the params turn on a penalty or a logit control (min_tokens aside, which the sampler
+    checks per step): computed once, the sampler asks every step."""
     num_inflight_tokens: int = 0
     """Tokens scheduled in steps whose results are not applied yet (async scheduling): the
     scheduler counts `num_computed_tokens + num_inflight_tokens` as computed when it schedules
@@ -77,6 +85,9 @@ class Request:
         self.prompt_token_ids = list(self.prompt_token_ids)
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id!r} has an empty prompt")
+        params = self.sampling_params
+        self.sampler_needs_prompt = params.repetition_penalty != 1.0 or params.prompt_logprobs is not None
+        self.logits_processors = params.needs_logits_processors
 
     @property
     def all_token_ids(self) -> list[int]:

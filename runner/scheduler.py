@@ -40,6 +40,11 @@ class ScheduledRequest:           # one request's share of a step
     sampling_params: SamplingParams
     output_token_count: int       # tokens generated so far, placeholders included
     block_table_id: int = -1      # Request.block_table_id: same id, same table (grown at most); -1 = unknown
+    stop_token_ids: frozenset[int] = frozenset()  # Request.stop_token_ids: masked by the sampler before min_tokens
+    prompt_token_ids: list[int] | None = None     # the prompt (a reference), where the sampler needs it:
+    #                                               repetition_penalty and prompt_logprobs; None otherwise
+    bad_words_token_ids: list[list[int]] | None = None  # Request.bad_words_token_ids (a reference)
+    logits_processors: bool = False                     # Request.logits_processors
     # Async scheduling: token_ids == [PLACEHOLDER_TOKEN_ID] marks a decode of the token in flight; the
     # SchedulerOutput's prev_* rows say where it comes from (no field here: the synchronous hot path
     # builds one of these per request per step).
@@ -255,9 +260,12 @@ class Scheduler:
         step.entries.append((request, num_new, sample, -1))
         if sample:
             step.sampling.add(request.request_id)
+        params = request.sampling_params
         return ScheduledRequest(request.request_id, request.token_ids_slice(start, start + num_new), start,
-                                request.block_ids, sample, request.sampling_params,
-                                len(request.output_token_ids), request.block_table_id)
+                                request.block_ids, sample, params,
+                                len(request.output_token_ids), request.block_table_id, request.stop_token_ids,
+                                request.prompt_token_ids if request.sampler_needs_prompt else None,
+                                request.bad_words_token_ids, request.logits_processors)
 
     @staticmethod
     def _entry_async(step: _Step, request: Request, num_new: int, num_tokens: int,
@@ -276,7 +284,9 @@ class Scheduler:
             step.sampling.add(request.request_id)
         return ScheduledRequest(request.request_id, token_ids, start, request.block_ids, sample,
                                 request.sampling_params, len(request.output_token_ids) + placeholders,
-                                request.block_table_id)
+                                request.block_table_id, request.stop_token_ids,
+                                request.prompt_token_ids if request.sampler_needs_prompt else None,
+                                request.bad_words_token_ids, request.logits_processors)
 
     def _undo(self, step: _Step) -> None:
         """Forget a step's in-flight accounting (its blocks stay: the same work comes again)."""
@@ -362,8 +372,10 @@ class Scheduler:
     def _stop(self, request: Request, token: int) -> tuple[FinishReason, int | None] | None:
         """Why the request ends with this token, if it does.
 
-        A stop token or EOS counts only after `min_tokens` other tokens (the sampler masks
-        them before that, as vLLM does; this check keeps the rule if it did not).
+        A stop token or EOS counts only after `min_tokens` other tokens. The sampler masks them
+        (their logits are -inf for the first `min_tokens` tokens, on every path: graphs, async
+        scheduling), so they do not come; this check keeps a token the sampler had no say in (a
+        test's or a benchmark's injected tokens) from ending the request early.
         `update` asks only when the token is in `request.stop_token_ids` or the length limit
         is reached, which is when this can return a reason.
         """

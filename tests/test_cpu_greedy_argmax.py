@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from runner.sampler import argmax_rows
+from runner.sampling import argmax_rows
 
 
 def test_cpu_argmax_rows_matches_argmax():

@@ -11,7 +11,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton kernels on a CPU need TRITON_INTERPRET=1", allow_module_level=True)
 
 from runner import greedy  # noqa: E402
-from runner.sampler import argmax_rows  # noqa: E402
+from runner.sampling import argmax_rows  # noqa: E402
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available() else "cuda"
 

@@ -10,7 +10,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from configs.sampling_params import SamplingParams
-from runner.sampler import Sampler, SamplingMetadata, make_generator
+from runner.sampling import Sampler, SamplingMetadata, make_generator
 
 CPU = torch.device("cpu")
 sampler = Sampler()

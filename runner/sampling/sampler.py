@@ -1,4 +1,5 @@
-"""Batched token sampling: greedy, temperature, min-p / top-k / top-p, seeds, logprobs.
+"""Batched token sampling: logit processors, greedy, temperature, min-p / top-k / top-p, seeds,
+logprobs.
 
 Everything runs on the logits' device for the whole batch at once. The only Python
 loop is over rows whose request has a seed (one vectorized draw each), as in vLLM.
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from configs.sampling_params import SamplingParams
+from runner.sampling.processors import LogitsProcessors
 
 
 @functools.cache
@@ -39,14 +41,6 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 _SAMPLING_EPS = 1e-5
 
 
-def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
-    """A generator for one seeded request. The engine keeps it for the request's lifetime
-    so that the request's tokens depend only on its seed, not on the rest of the batch."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    return gen
-
-
 @dataclass
 class SamplingMetadata:
     """Per-row sampling parameters as device tensors, plus host-side fast-path flags.
@@ -69,10 +63,11 @@ class SamplingMetadata:
     token_bitmask: object | None = None
     """Structured output (runner/structured_output.TokenBitmask): its rows' disallowed tokens go to
     -inf before anything else; None when no row is constrained."""
+    processors: LogitsProcessors | None = None  # None: no row's logits change this step
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], generators: dict[int, torch.Generator],
-                    device: torch.device | str) -> SamplingMetadata:
+                    device: torch.device | str, processors: LogitsProcessors | None = None) -> SamplingMetadata:
         """Builds the metadata for a batch whose row i samples with params[i].
 
         Generators of greedy rows are dropped: greedy rows draw no random numbers.
@@ -92,6 +87,7 @@ class SamplingMetadata:
             no_min_p=all(p.min_p <= 0.0 for p in params),
             generators={i: g for i, g in generators.items() if not greedy[i]},
             max_num_logprobs=max(requested) if requested else None,
+            processors=processors,
         )
 
 
@@ -116,6 +112,8 @@ class SamplerOutput:
 class Sampler:
     """Turns a batch of logits [N, V] into one token per row.
 
+    The logit processors (min_tokens, penalties, bias, allowed ids, bad words) change the logits
+    first; logprobs are those of the logits as the model produced them (vLLM's default).
     Greedy rows take the argmax. Random rows: logits / temperature, then min-p, top-k and
     top-p masks (vLLM's order; top-p is taken over the distribution already renormalized
     by min-p and top-k), then softmax and an exponential race (see `_race`).
@@ -123,9 +121,11 @@ class Sampler:
     """
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        logits = logits.float()  # no-op for float32; only the structured-output mask writes into it
-        if metadata.token_bitmask is not None:  # STRUCTURED OUTPUT: the constrained rows, on the device
+        raw = logits = logits.float()  # no-op for float32; only the structured-output mask writes into it
+        if metadata.token_bitmask is not None:  # structured output: the constrained rows, on the device, first
             metadata.token_bitmask.apply(logits)
+        if metadata.processors is not None:
+            logits = metadata.processors.apply(logits)
         greedy_ids = None if metadata.all_random else argmax_rows(logits)
         if metadata.all_greedy:
             sampled = greedy_ids
@@ -136,7 +136,7 @@ class Sampler:
                 sampled = torch.where(metadata.temperature < _SAMPLING_EPS, greedy_ids, sampled)
         logprobs = None
         if metadata.max_num_logprobs is not None:
-            logprobs = self._logprobs(logits, sampled, metadata.max_num_logprobs)
+            logprobs = self._logprobs(raw, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     def masked_logits(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -1,0 +1,16 @@
+"""Sampling: the logits of a step's sampling rows -> one token per row (and logprobs).
+
+- `stage.py`: `SamplingStage`, the one path the runner calls, sync and async scheduling alike;
+- `processors.py`: min_tokens, penalties, logit_bias, allowed_token_ids, bad words (batched);
+- `state.py`: per-request state across steps: seeded generators, token counts on the device;
+- `sampler.py`: the batched sampler (greedy, temperature, min-p / top-k / top-p, seeds, logprobs);
+- `logprobs.py`: logprobs in vLLM's shape; `bad_words.py`: bad words to token ids.
+"""
+
+from runner.sampling.processors import LogitsProcessors
+from runner.sampling.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, argmax_rows
+from runner.sampling.stage import SamplingStage
+from runner.sampling.state import SamplingStates, make_generator
+
+__all__ = ["LogitsProcessors", "LogprobsTensors", "Sampler", "SamplerOutput", "SamplingMetadata", "SamplingStage",
+           "SamplingStates", "argmax_rows", "make_generator"]

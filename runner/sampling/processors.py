@@ -1,0 +1,182 @@
+"""Logit controls and penalties, batched over the step's rows (vLLM's meanings and order).
+
+`LogitsProcessors.build` runs on the host once per step: a loop over the ROWS (never over the
+vocabulary) that turns each row's settings into flat index tensors; `apply` then changes the
+logits of the whole batch with a few indexed kernels, on the device, without a host sync.
+Rows without a feature share the step with rows that use it and are left untouched.
+
+Order (vLLM's sampler): allowed_token_ids, bad words, min_tokens, logit_bias, then the
+repetition, frequency and presence penalties; temperature and top-k/top-p/min-p come after, in
+the sampler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runner.sampling.state import SamplingStates, needs_token_state
+from runner.scheduler import ScheduledRequest
+
+_NEG_INF = float("-inf")
+
+
+def needs_processors(req: ScheduledRequest) -> bool:
+    """Whether the row's logits must be changed this step (the greedy fast paths cannot serve it)."""
+    return req.logits_processors or (req.output_token_count < req.sampling_params.min_tokens
+                                     and bool(req.stop_token_ids))
+
+
+@dataclass
+class _Penalties:
+    rows: torch.Tensor        # [P] int64, rows of the batch
+    slots: torch.Tensor       # [P] int64, their SamplingStates slots
+    presence: torch.Tensor    # [P, 1] float32
+    frequency: torch.Tensor   # [P, 1] float32
+    repetition: torch.Tensor  # [P, 1] float32
+    any_repetition: bool
+    any_additive: bool
+
+
+@dataclass
+class _BadWordPrefixes:
+    """Multi-token bad words: ban `last` in `rows` where the output's tail equals `prefix`."""
+    rows: torch.Tensor        # [B] int64
+    slots: torch.Tensor       # [B] int64
+    prefix: torch.Tensor      # [B, W] int64, right-aligned; -2 (never a token, never -1) pads the left
+    last: torch.Tensor        # [B] int64
+
+
+@dataclass
+class LogitsProcessors:
+    """One step's logit changes as device index tensors (None: nothing of that kind this step)."""
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(rows, tokens) set to -inf: single-token bad words, and EOS / stop ids inside min_tokens."""
+    allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """(rows that restrict, their local row index per allowed pair, allowed tokens)."""
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """(rows, tokens, biases) added."""
+    bad_word_prefixes: _BadWordPrefixes | None = None
+    penalties: _Penalties | None = None
+    states: SamplingStates | None = None
+    state_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(rows, slots) whose sampled tokens `SamplingStates.record` counts after the step."""
+
+    @classmethod
+    def build(cls, reqs: list[ScheduledRequest], states: SamplingStates, vocab_size: int,
+              to_device) -> LogitsProcessors | None:
+        """The processors of a step whose row i samples for reqs[i]; None when no row needs any.
+        `to_device` moves a small host tensor to the logits' device without a host sync."""
+        if not any(needs_processors(req) for req in reqs):
+            return None
+        banned_rows, banned_tokens = [], []
+        allowed_rows, allowed_local, allowed_tokens = [], [], []
+        bias_rows, bias_tokens, bias_values = [], [], []
+        prefix_rows, prefix_slots, prefixes, prefix_last = [], [], [], []
+        pen_rows, pen_slots, presence, frequency, repetition = [], [], [], [], []
+        state_rows, state_slots = [], []
+        for row, req in enumerate(reqs):
+            params = req.sampling_params
+            if params.allowed_token_ids is not None:
+                allowed_local += [len(allowed_rows)] * len(params.allowed_token_ids)
+                allowed_rows.append(row)
+                allowed_tokens += params.allowed_token_ids
+            slot = states.slot(req) if needs_token_state(req) else None
+            if slot is not None:
+                state_rows.append(row)
+                state_slots.append(slot)
+            for word in req.bad_words_token_ids or ():
+                if len(word) == 1:
+                    banned_rows.append(row)
+                    banned_tokens.append(word[0])
+                else:
+                    prefix_rows.append(row)
+                    prefix_slots.append(slot)
+                    prefixes.append(word[:-1])
+                    prefix_last.append(word[-1])
+            if req.output_token_count < params.min_tokens:
+                stops = [t for t in req.stop_token_ids if 0 <= t < vocab_size]
+                banned_rows += [row] * len(stops)
+                banned_tokens += stops
+            if params.logit_bias:
+                bias_rows += [row] * len(params.logit_bias)
+                bias_tokens += params.logit_bias.keys()
+                bias_values += params.logit_bias.values()
+            if slot is not None and (params.presence_penalty or params.frequency_penalty
+                                     or params.repetition_penalty != 1.0):
+                pen_rows.append(row)
+                pen_slots.append(slot)
+                presence.append(params.presence_penalty)
+                frequency.append(params.frequency_penalty)
+                repetition.append(params.repetition_penalty)
+
+        def ints(values: list[int]) -> torch.Tensor:
+            return to_device(torch.tensor(values, dtype=torch.int64))
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return to_device(torch.tensor(values, dtype=torch.float32).unsqueeze(1))
+
+        out = cls(states=states)
+        if banned_rows:
+            out.banned = (ints(banned_rows), ints(banned_tokens))
+        if allowed_rows:
+            out.allowed = (ints(allowed_rows), ints(allowed_local), ints(allowed_tokens))
+        if bias_rows:
+            out.bias = (ints(bias_rows), ints(bias_tokens),
+                        to_device(torch.tensor(bias_values, dtype=torch.float32)))
+        if prefix_rows:
+            width = states.recent.shape[1]
+            padded = [[-2] * (width - len(p)) + p for p in prefixes]
+            out.bad_word_prefixes = _BadWordPrefixes(ints(prefix_rows), ints(prefix_slots),
+                                                     ints(padded).view(len(padded), width), ints(prefix_last))
+        if pen_rows:
+            out.penalties = _Penalties(ints(pen_rows), ints(pen_slots), floats(presence), floats(frequency),
+                                       floats(repetition), any(r != 1.0 for r in repetition),
+                                       any(p or f for p, f in zip(presence, frequency)))
+        if state_rows:
+            out.state_rows = (ints(state_rows), ints(state_slots))
+        return out
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """The processed logits (float32, a new tensor; `logits` is not modified)."""
+        x = logits.float().clone()
+        if self.allowed is not None:
+            rows, local, tokens = self.allowed
+            keep = torch.zeros(rows.shape[0], x.shape[1], dtype=torch.bool, device=x.device)
+            keep[local, tokens] = True
+            x[rows] = x[rows].masked_fill(~keep, _NEG_INF)
+        if self.bad_word_prefixes is not None:
+            b = self.bad_word_prefixes
+            tail = self.states.recent[b.slots]
+            match = ((tail == b.prefix) | (b.prefix == -2)).all(dim=1)
+            # Adding -inf where the prefix matches and 0 elsewhere bans without a host-side mask.
+            x.index_put_((b.rows, b.last), torch.zeros_like(b.last, dtype=x.dtype).masked_fill(match, _NEG_INF),
+                         accumulate=True)
+        if self.banned is not None:
+            x[self.banned] = _NEG_INF   # a Python scalar: no host-to-device copy (which would sync)
+        if self.bias is not None:
+            rows, tokens, values = self.bias
+            x.index_put_((rows, tokens), values, accumulate=True)
+        if self.penalties is not None:
+            x = self._apply_penalties(x, self.penalties)
+        return x
+
+    def _apply_penalties(self, x: torch.Tensor, p: _Penalties) -> torch.Tensor:
+        counts = self.states.output_counts[p.slots]
+        rows = x[p.rows]
+        if p.any_repetition:  # HF / vLLM: over prompt and output tokens
+            seen = self.states.prompt_mask[p.slots] | (counts > 0)
+            scaled = torch.where(rows > 0, rows / p.repetition, rows * p.repetition)
+            rows = torch.where(seen, scaled, rows)
+        if p.any_additive:    # vLLM / OpenAI: over output tokens
+            counts = counts.float()
+            rows = rows - p.frequency * counts - p.presence * (counts > 0).float()
+        x[p.rows] = rows
+        return x
+
+    def record(self, sampled: torch.Tensor) -> None:
+        """After sampling: count the step's tokens into the requests' state (on the device)."""
+        if self.state_rows is not None:
+            rows, slots = self.state_rows
+            self.states.record(slots, sampled[rows])

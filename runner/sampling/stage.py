@@ -1,0 +1,111 @@
+"""The one sampling path of a step, shared by synchronous and async scheduling.
+
+`SamplingStage.launch` takes the step's sampling rows and a way to get their logits, enqueues
+the sampling on the device and returns a `PendingOutput` at once: async scheduling keeps it in
+flight, the synchronous engine resolves it at once (the same path plus a wait). The runner
+hands over only the rows and the logits (or the greedy tokens its graph or its CPU LM head
+already computed: `fast_greedy`, used only for a plain greedy step, where no row asks for
+logprobs or a logit processor).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from runner.outputs import ModelRunnerOutput, PendingOutput
+from runner.sampling.logprobs import logprobs_entries
+from runner.sampling.processors import LogitsProcessors
+from runner.sampling.sampler import Sampler, SamplingMetadata
+from runner.sampling.state import SamplingStates
+from runner.scheduler import ScheduledRequest
+
+
+class SamplingStage:
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size, self.device = vocab_size, device
+        self.sampler = Sampler()
+        self.states = SamplingStates(vocab_size, device)
+
+    @property
+    def generators(self) -> dict[str, torch.Generator]:
+        return self.states.generators
+
+    def release(self, request_ids) -> None:
+        """Finished requests: their generators and token state go (preempted ones keep theirs)."""
+        self.states.release(request_ids)
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A small host tensor to the device without a host sync (a pageable copy would wait for
+        the step in flight): through pinned memory, which the caching host allocator keeps until
+        the copy has run."""
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def launch(self, reqs: list[ScheduledRequest], logits: Callable[[], torch.Tensor],
+               fast_greedy: Callable[[], torch.Tensor],
+               prompt_logprobs: Callable[[], dict] | None = None, token_bitmask=None) -> PendingOutput:
+        """Sample one token for each of `reqs` (row i for reqs[i]). `logits()` gives their logits
+        [len(reqs), V]; `fast_greedy()` their argmax, for a plain greedy step. `prompt_logprobs`
+        (from `PromptLogprobs.launch`, enqueued before this) builds the step's prompt logprobs
+        once its copies are on the host. `token_bitmask` (structured output, a TokenBitmask of the
+        constrained rows, or None) is applied to the logits first; a step with one never takes
+        `fast_greedy` (the graph's argmax or the CPU screen would ignore the mask)."""
+        if not reqs:
+            if prompt_logprobs is None:
+                return PendingOutput.ready(ModelRunnerOutput({}))
+            return self._pending(reqs, torch.empty(0, dtype=torch.int64, device=self.device), None,
+                                 prompt_logprobs)
+        params = [req.sampling_params for req in reqs]
+        processors = LogitsProcessors.build(reqs, self.states, self.vocab_size, self.to_device)
+        logprobs = None
+        if (processors is None and token_bitmask is None
+                and all(p.temperature == 0.0 and p.logprobs is None for p in params)):
+            sampled = fast_greedy()
+        else:
+            generators = {row: self.states.generator(req) for row, req in enumerate(reqs)
+                          if req.sampling_params.seed is not None}
+            metadata = SamplingMetadata.from_params(params, generators, "cpu", processors)
+            metadata.token_bitmask = token_bitmask
+            if self.device.type != "cpu":
+                metadata = dataclasses.replace(
+                    metadata, temperature=self.to_device(metadata.temperature),
+                    top_k=self.to_device(metadata.top_k), top_p=self.to_device(metadata.top_p),
+                    min_p=self.to_device(metadata.min_p))
+            result = self.sampler(logits(), metadata)
+            sampled, logprobs = result.sampled_token_ids, result.logprobs
+            if processors is not None:
+                processors.record(sampled)
+        return self._pending(reqs, sampled, logprobs, prompt_logprobs)
+
+    def _pending(self, reqs: list[ScheduledRequest], sampled: torch.Tensor, logprobs,
+                 prompt_logprobs: Callable[[], dict] | None = None) -> PendingOutput:
+        # Non-blocking to the host: pinned destinations (`_to_copy` pins them for a CUDA source).
+        host = sampled.to("cpu", non_blocking=True)
+        host_logprobs = None
+        if logprobs is not None:
+            host_logprobs = [t.to("cpu", non_blocking=True) for t in (logprobs.topk_token_ids, logprobs.topk_logprobs,
+                                                                       logprobs.sampled_logprobs,
+                                                                       logprobs.sampled_ranks)]
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        request_ids = [req.request_id for req in reqs]
+        num_logprobs = [req.sampling_params.logprobs for req in reqs]
+
+        def finish() -> ModelRunnerOutput:
+            token_ids = host.tolist()
+            output = ModelRunnerOutput(dict(zip(request_ids, token_ids)))
+            if host_logprobs is not None:
+                top_ids, top_lps, sampled_lps, sampled_ranks = (t.tolist() for t in host_logprobs)
+                output.logprobs = logprobs_entries(request_ids, num_logprobs, token_ids, sampled_lps, sampled_ranks,
+                                                   top_ids, top_lps)
+            if prompt_logprobs is not None:
+                output.prompt_logprobs = prompt_logprobs()
+            return output
+
+        return PendingOutput(finish, event, sampled)
