@@ -69,6 +69,10 @@ class Request:
     """Row of the latest placeholder in its step's sampled-token tensor (the order of the step's
     sampling requests): a step that feeds the placeholder reads its token there, on the device."""
 
+    prompt_source: "Request | None" = None
+    """Another completion of the same prompt (`n` > 1) whose full prompt blocks this request
+    shares once they are computed, instead of computing its own; None: computes its prompt."""
+
     def __post_init__(self) -> None:
         # A private copy: the caller's list must not grow or shrink under the scheduler.
         self.prompt_token_ids = list(self.prompt_token_ids)
