@@ -127,8 +127,11 @@ class IncrementalDetokenizer:
         cut = raw.rfind(" ")
         while cut > 0 and raw[max(0, cut - 2):cut] == " '":
             cut = raw.rfind(" ", 0, cut - 2)
+        text = self._decode(token_ids)
         clean = self.tokenizer.clean_up_tokenization
-        return clean(raw), (len(clean(raw[:cut])) if cut >= 0 else 0)
+        if text == raw and clean(raw) != raw:
+            return text, None  # the tokenizer does not clean up after all (transformers 5 skips it for BPE)
+        return text, (len(clean(raw[:cut])) if cut >= 0 else 0)
 
     def _decode(self, token_ids: list[int]) -> str:
         text = self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)

@@ -497,7 +497,8 @@ class LLMEngine:
             tracked.error = tracked.error or f"{type(error).__name__}: {error}"
             return CompletionOutput(tracked.index, "", [], finish_reason="abort")
 
-    def _completion(self, tracked: _Tracked, finished: bool) -> CompletionOutput | None:
+    @staticmethod
+    def _completion(tracked: _Tracked, finished: bool) -> CompletionOutput | None:
         """The request's completion after a step, in its `output_kind`: everything so far
         (CUMULATIVE), what is new since its last output (DELTA), or nothing until it finishes
         (FINAL_ONLY). Text is the detokenizer's stable prefix until the request finishes, so
