@@ -1,4 +1,9 @@
-"""LLMEngine: the "serve decode steps" API (add_request / step / abort_request)."""
+"""LLMEngine: the "serve decode steps" API (add_request / step / abort_request).
+
+Over 400 lines on purpose: the synchronous and the async step, and what each does when a step
+or one request fails (cancel the step, fail its requests, or die), are one state machine over
+the scheduler's pending steps; split apart, the paths that must agree would no longer be read
+together. Per-request output state lives in request_state.py, text in detokenizer.py."""
 
 from __future__ import annotations
 
@@ -10,12 +15,13 @@ from pathlib import Path
 
 import torch
 
-from configs import EngineConfig, RequestOutputKind, SamplingParams
+from configs import EngineConfig, SamplingParams
 from models.hf_config import load_hf_config, model_spec, resolve_max_model_len
 from runner.detokenizer import IncrementalDetokenizer
 from runner.outputs import CompletionOutput, PendingOutput, RequestMetrics, RequestOutput
 from runner.platform import resolve_device, resolve_dtype
 from runner.request import Request, RequestStatus
+from runner.request_state import ParentRequest, RequestState, completion_output, request_output
 from runner.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -60,39 +66,6 @@ def is_fatal(error: BaseException, executor) -> bool:
 class _Died:
     """What `_schedule` returns when the scheduler raised: the engine is dead, these are the error outputs."""
     outputs: list[RequestOutput]
-
-
-@dataclass(slots=True)
-class _Parent:
-    """A request with `n` > 1: its completions run as child requests `f"{index}_{request_id}"`
-    (vLLM's names); their outputs are merged into the parent's."""
-    request_id: str
-    kind: RequestOutputKind
-    children: list["_Tracked"]
-    finished: list[CompletionOutput | None]
-    """FINAL_ONLY: each child's final completion, in index order, once it has one."""
-    num_unfinished: int
-    error: str | None = None
-
-
-@dataclass(slots=True)
-class _Tracked:
-    request: Request
-    detokenizer: IncrementalDetokenizer | None
-    """None without a tokenizer: there is no text to keep."""
-    logprobs: list[dict] | None
-    """Per generated token {token id: Logprob}, when the request asked for logprobs."""
-    metrics: RequestMetrics
-    cumulative_logprob: float = 0.0
-    num_sent_tokens: int = 0
-    """DELTA outputs: token ids (and logprob entries) already handed out..."""
-    num_sent_chars: int = 0
-    """...and characters of text."""
-    error: str | None = None
-    """Why the request failed (finish_reason "abort"); its output carries it."""
-    parent: _Parent | None = None
-    index: int = 0
-    """The completion's index among its parent's `n` (0 without a parent)."""
 
 
 def resolve_model_path(model: str) -> str:
@@ -157,9 +130,9 @@ class LLMEngine:
         except BaseException:
             self.executor.shutdown()  # e.g. too few KV blocks: release pipeline workers at once
             raise
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, RequestState] = {}
         """Unfinished requests by id (children of an `n` > 1 request by their own ids)."""
-        self._parents: dict[str, _Parent] = {}
+        self._parents: dict[str, ParentRequest] = {}
         self._dead: str | None = None
         """Why the engine can serve nothing more (see EngineDeadError); None while it can."""
         self._ids = itertools.count()
@@ -237,7 +210,7 @@ class LLMEngine:
             "n": 1, "seed": None if params.seed is None else params.seed + i})) for i in range(params.n)]
         for child_id, _ in children:
             self._validate(child_id, token_ids, params)
-        parent = _Parent(request_id, params.output_kind, [], [None] * params.n, params.n)
+        parent = ParentRequest(request_id, params.output_kind, [], [None] * params.n, params.n)
         first = None
         try:
             for index, (child_id, child_params) in enumerate(children):
@@ -254,7 +227,7 @@ class LLMEngine:
         return request_id
 
     def _add_one(self, request_id: str, token_ids: list[int], text: str | None, params: SamplingParams,
-                 share_prompt_of: Request | None = None) -> _Tracked:
+                 share_prompt_of: Request | None = None) -> RequestState:
         request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params, prompt=text)
         request.prompt_source = share_prompt_of
         try:
@@ -264,7 +237,7 @@ class LLMEngine:
         detok = None if self.tokenizer is None else IncrementalDetokenizer(
             self.tokenizer, params.skip_special_tokens, params.stop, params.include_stop_str_in_output,
             params.min_tokens)
-        tracked = self._tracked[request_id] = _Tracked(request, detok, [] if params.logprobs is not None else None,
+        tracked = self._tracked[request_id] = RequestState(request, detok, [] if params.logprobs is not None else None,
                                                        RequestMetrics(arrival_time=time.monotonic()))
         return tracked
 
@@ -279,13 +252,13 @@ class LLMEngine:
                 if self._tracked.pop(tracked.request.request_id, None) is not None:
                     self.scheduler.abort_request(tracked.request.request_id)
                     changed.append(tracked)
-            return self._parent_output(parent, [(t, self._finish_tracked(t)) for t in changed])
+            return next(iter(self._collect([(t, self._finish_tracked(t)) for t in changed])), None)
         tracked = self._tracked.get(request_id)
         if tracked is None or tracked.parent is not None:
             return None
         del self._tracked[request_id]
         self.scheduler.abort_request(request_id)
-        return self._wrap(tracked, self._finish_tracked(tracked))
+        return request_output(tracked, self._finish_tracked(tracked))
 
     def has_unfinished_requests(self) -> bool:
         """Requests to serve, or a step in flight whose outputs the next step() returns."""
@@ -340,8 +313,7 @@ class LLMEngine:
             updated = self.scheduler.update(result.sampled)
         except Exception as error:  # the scheduler's state is not to be trusted any more
             return self._die(error)
-        outputs: list[RequestOutput] = []
-        parents: dict[str, list] = {}
+        finished: list[tuple[RequestState, CompletionOutput | None]] = []
         for request in updated:
             tracked = self._tracked.get(request.request_id)
             if tracked is None:
@@ -351,15 +323,8 @@ class LLMEngine:
             except Exception as error:
                 logger.exception("request %r failed", request.request_id)
                 completion = self._fail(tracked, f"{type(error).__name__}: {error}")
-            if tracked.parent is not None:
-                parents.setdefault(tracked.parent.request_id, []).append((tracked, completion))
-            elif completion is not None:
-                outputs.append(self._wrap(tracked, completion))
-        for parent_id, changed in parents.items():
-            output = self._parent_output(self._parents[parent_id], changed)
-            if output is not None:
-                outputs.append(output)
-        return outputs
+            finished.append((tracked, completion))
+        return self._collect(finished)
 
     def _step_async(self) -> list[RequestOutput]:
         """Schedule and launch step n+1, then wait for step n's tokens and apply them.
@@ -435,21 +400,28 @@ class LLMEngine:
             self.scheduler.cancel_step()
         return self._fail_all(list(self._tracked.values()), f"the engine died: {self._dead}")
 
-    def _fail_all(self, failed: list[_Tracked], message: str) -> list[RequestOutput]:
+    def _fail_all(self, failed: list[RequestState], message: str) -> list[RequestOutput]:
+        return self._collect([(tracked, self._fail(tracked, message)) for tracked in failed])
+
+    def _collect(self, changed: list[tuple[RequestState, CompletionOutput | None]]) -> list[RequestOutput]:
+        """The step's RequestOutputs from its requests' completions: one per request, and one per
+        parent (`n` > 1) merging its children's; None completions (nothing to show) are left out."""
         outputs, parents = [], {}
-        for tracked in failed:
-            completion = self._fail(tracked, message)
+        for tracked, completion in changed:
             if tracked.parent is not None:
                 parents.setdefault(tracked.parent.request_id, []).append((tracked, completion))
-            else:
-                outputs.append(self._wrap(tracked, completion))
-        for parent_id, changed in parents.items():
-            output = self._parent_output(self._parents[parent_id], changed)
+            elif completion is not None:
+                outputs.append(request_output(tracked, completion))
+        for parent_id, children in parents.items():
+            parent = self._parents[parent_id]
+            output = parent.merge(children)
+            if parent.num_unfinished == 0:
+                del self._parents[parent_id]
             if output is not None:
                 outputs.append(output)
         return outputs
 
-    def _fail(self, tracked: _Tracked, message: str) -> CompletionOutput | None:
+    def _fail(self, tracked: RequestState, message: str) -> CompletionOutput | None:
         """Finish one request with "abort" and `message` as its error; frees its blocks."""
         request = tracked.request
         if self.scheduler.finish_request(request.request_id, "abort") is None:
@@ -460,7 +432,7 @@ class LLMEngine:
         self._tracked.pop(request.request_id, None)
         return self._finish_tracked(tracked)
 
-    def _advance(self, tracked: _Tracked, result, now: float) -> CompletionOutput | None:
+    def _advance(self, tracked: RequestState, result, now: float) -> CompletionOutput | None:
         """A request got a token: metrics, logprobs, text and stop strings, then its completion
         (None when its output kind has nothing to show yet)."""
         request, metrics = tracked.request, tracked.metrics
@@ -483,77 +455,19 @@ class LLMEngine:
         if request.status is RequestStatus.FINISHED:
             del self._tracked[request.request_id]
             return self._finish_tracked(tracked, now)
-        return self._completion(tracked, False)
+        return completion_output(tracked, False)
 
-    def _finish_tracked(self, tracked: _Tracked, now: float | None = None) -> CompletionOutput:
+    def _finish_tracked(self, tracked: RequestState, now: float | None = None) -> CompletionOutput:
         """The request has finished (any reason): all its text is final; its last completion."""
         tracked.metrics.finished_time = now if now is not None else time.monotonic()
         if tracked.detokenizer is not None:
             tracked.detokenizer.finish()
         try:
-            return self._completion(tracked, True)
+            return completion_output(tracked, True)
         except Exception as error:  # an error output must not fail in turn
             logger.exception("request %r: output failed", tracked.request.request_id)
             tracked.error = tracked.error or f"{type(error).__name__}: {error}"
             return CompletionOutput(tracked.index, "", [], finish_reason="abort")
-
-    @staticmethod
-    def _completion(tracked: _Tracked, finished: bool) -> CompletionOutput | None:
-        """The request's completion after a step, in its `output_kind`: everything so far
-        (CUMULATIVE), what is new since its last output (DELTA), or nothing until it finishes
-        (FINAL_ONLY). Text is the detokenizer's stable prefix until the request finishes, so
-        no output shows text a later one takes back."""
-        request = tracked.request
-        kind = request.sampling_params.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not finished:
-            return None
-        tokens = request.output_token_ids  # only ever grows: the output copies its prefix when read
-        detok = tracked.detokenizer
-        text = "" if detok is None else detok.text if finished else detok.text[:detok.num_stable_chars]
-        logprobs = tracked.logprobs
-        cumulative = tracked.cumulative_logprob if logprobs is not None else None
-        if kind is RequestOutputKind.DELTA:
-            start, chars = tracked.num_sent_tokens, tracked.num_sent_chars
-            tracked.num_sent_tokens, tracked.num_sent_chars = len(tokens), max(chars, len(text))
-            return CompletionOutput(tracked.index, text[chars:], tokens[start:], cumulative,
-                                    logprobs[start:] if logprobs is not None else None, request.finish_reason,
-                                    request.stop_reason)
-        # Positional: keyword arguments would add a third to the cost of this per-request, per-step call.
-        return CompletionOutput(tracked.index, text, tokens, cumulative, logprobs[:] if logprobs is not None else None,
-                                request.finish_reason, request.stop_reason, len(tokens))
-
-    def _wrap(self, tracked: _Tracked, completion: CompletionOutput | None) -> RequestOutput | None:
-        """A request without a parent: its completion as a RequestOutput."""
-        if completion is None:
-            return None
-        request = tracked.request
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, None, [completion],
-                             request.status is RequestStatus.FINISHED, tracked.metrics, tracked.error)
-
-    def _parent_output(self, parent: _Parent, changed: list[tuple[_Tracked, CompletionOutput | None]]
-                       ) -> RequestOutput | None:
-        """The parent's output after its children `changed`: streaming kinds carry the completions
-        that changed (vLLM's behaviour), FINAL_ONLY all n once every child has finished."""
-        completions = []
-        for tracked, completion in changed:
-            if tracked.request.status is RequestStatus.FINISHED:
-                parent.num_unfinished -= 1
-                parent.finished[tracked.index] = completion if parent.kind is RequestOutputKind.FINAL_ONLY else None
-            if completion is not None:
-                completions.append(completion)
-        finished = parent.num_unfinished == 0
-        if finished:
-            del self._parents[parent.request_id]
-        if parent.kind is RequestOutputKind.FINAL_ONLY:
-            if not finished:
-                return None
-            completions = list(parent.finished)
-        if not completions:
-            return None
-        completions.sort(key=lambda c: c.index)
-        first = parent.children[0]
-        return RequestOutput(parent.request_id, first.request.prompt, first.request.prompt_token_ids, None,
-                             completions, finished, first.metrics, parent.error)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

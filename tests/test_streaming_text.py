@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from checkpoints import _byte_tokenizer
 from configs import RequestOutputKind, SamplingParams
 from runner.detokenizer import IncrementalDetokenizer
-from runner.engine import LLMEngine, _Tracked
 from runner.outputs import RequestMetrics
 from runner.request import Request, RequestStatus
+from runner.request_state import RequestState, completion_output
 
 MULTIBYTE_TEXT = "你好世界 🎉🚀 日本語 café naïve 😀👍🏽 Hello world. The end, STOP here.\n"
 
@@ -71,7 +71,7 @@ def stream(tokenizer, ids, params: SamplingParams):
                           sampling_params=params.model_copy(update={"output_kind": kind}))
         detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens, params.stop,
                                        params.include_stop_str_in_output, params.min_tokens)
-        trackers[kind] = _Tracked(request, detok, None, RequestMetrics(0.0))
+        trackers[kind] = RequestState(request, detok, None, RequestMetrics(0.0))
     for k in range(1, len(ids) + 1):
         for kind, tracked in trackers.items():
             request = tracked.request
@@ -81,7 +81,7 @@ def stream(tokenizer, ids, params: SamplingParams):
             if finished:
                 request.status, request.finish_reason = RequestStatus.FINISHED, "stop" if stop else "length"
                 tracked.detokenizer.finish()
-            completion = LLMEngine._completion(tracked, finished)
+            completion = completion_output(tracked, finished)
             if completion is not None:
                 outputs[kind].append(completion)
         if finished:
