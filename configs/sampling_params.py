@@ -42,6 +42,8 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+    n: int = Field(1, ge=1, le=1024)
+    """Completions of the prompt (prefilled once, its KV blocks shared); `outputs[i]`, index i."""
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)
@@ -61,6 +63,10 @@ class SamplingParams(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    """Keep the stop string that ended the request at the end of its text."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the prompt's last k tokens (left truncation); -1: as many as max_model_len allows."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, regex, choice list or grammar (runner/structured_output)."""
@@ -117,6 +123,13 @@ class SamplingParams(BaseModel):
     def _no_empty_bad_word(cls, value: list[str] | None) -> list[str] | None:
         if value is not None and any(not word.strip() for word in value):
             raise ValueError("bad_words must be non-empty strings")
+        return value
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate_k(cls, value: int | None) -> int | None:
+        if value is not None and value < 1 and value != -1:
+            raise ValueError(f"truncate_prompt_tokens must be -1 or >= 1, got {value}")
         return value
 
     @field_validator("min_tokens")

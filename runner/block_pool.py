@@ -34,6 +34,8 @@ class BlockPool:
         # Insertion order is the eviction order: popitem(last=False) takes the LRU block.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
+        self.num_allocated = 0
+        """Blocks handed out by `allocate` so far (a shared or prefix-cached block is not allocated again)."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -72,6 +74,7 @@ class BlockPool:
                 block.block_hash = None
             block.ref_count = 1
             ids.append(block_id)
+        self.num_allocated += count
         return ids
 
     def touch(self, block_ids: Iterable[int]) -> None:

@@ -81,7 +81,16 @@ class KVCacheManager:
         Never the whole sequence: the last token must be computed so that its position yields
         the logits to sample from, so at most `(num_tokens - 1) // block_size` blocks can hit.
         Takes no references; pass the ids to `allocate_slots`.
+
+        A request with a `prompt_source` (another completion of the same prompt, `n` > 1, whose
+        prompt is computed) gets that request's full prompt blocks, with or without prefix
+        caching: the prompt is computed once and its blocks held by every completion (ref counts).
         """
+        source = request.prompt_source
+        if source is not None and not request.block_ids:
+            num_full = min((request.num_tokens - 1) // self.block_size,
+                           source.num_computed_tokens // self.block_size, len(source.block_ids))
+            return source.block_ids[:num_full], num_full * self.block_size
         if not self.enable_prefix_caching or request.block_ids or request.sampling_params.prompt_logprobs is not None:
             return [], 0  # prompt_logprobs need every prompt position's logits: recompute (as vLLM)
         hits: list[int] = []

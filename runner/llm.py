@@ -8,7 +8,7 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from configs import EngineConfig, SamplingParams
+from configs import EngineConfig, RequestOutputKind, SamplingParams
 from runner.engine import InvalidRequestError, LLMEngine
 from runner.outputs import CompletionOutput, RequestOutput
 
@@ -42,6 +42,20 @@ def _engine_prompt(prompt: PromptType) -> str | list[int]:
     raise ValueError(f"a prompt is a string, a list of token ids or a dict; got {type(prompt).__name__}")
 
 
+def _final_only(params: list[SamplingParams | None]) -> list[SamplingParams]:
+    """The params with output_kind FINAL_ONLY: one copy per distinct params object."""
+    copies: dict[int, SamplingParams] = {}
+    out = []
+    for p in params:
+        p = p or SamplingParams()
+        if p.output_kind is not RequestOutputKind.FINAL_ONLY:
+            if id(p) not in copies:
+                copies[id(p)] = p.model_copy(update={"output_kind": RequestOutputKind.FINAL_ONLY})
+            p = copies[id(p)]
+        out.append(p)
+    return out
+
+
 class LLM:
     """`LLM(model="path" | pathlib.Path(...) | "default", **engine_options).generate(prompts, sampling_params)`, as in vLLM.
 
@@ -62,8 +76,10 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Outputs in input order. A prompt the engine refuses (empty, too long, out-of-vocabulary ids)
-        comes back finished with reason "abort" and `error` set; the others run normally."""
+        """Outputs in input order, each with its `n` completions. A prompt the engine refuses (empty,
+        too long, out-of-vocabulary ids), or one that fails while it runs, comes back finished with
+        reason "abort" and `error` set; the others run normally. Requests run as FINAL_ONLY (as in
+        vLLM): one output each, when finished, whatever `output_kind` the params name."""
         prompts = _normalize_prompts(prompts)
         params = sampling_params
         if params is None or isinstance(params, SamplingParams):
@@ -71,6 +87,7 @@ class LLM:
         params = list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        params = _final_only(params)
         results: dict[int, RequestOutput] = {}
         ids: dict[str, int] = {}
         for index, (prompt, p) in enumerate(zip(prompts, params)):

@@ -80,6 +80,10 @@ class Request:
     """Structured output: the request's GrammarState (runner/structured_output), None without a
     constraint. The scheduler admits the request only once `grammar.ready` (its compile is done)."""
 
+    prompt_source: "Request | None" = None
+    """Another completion of the same prompt (`n` > 1) whose full prompt blocks this request
+    shares once they are computed, instead of computing its own; None: computes its prompt."""
+
     def __post_init__(self) -> None:
         # A private copy: the caller's list must not grow or shrink under the scheduler.
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -226,6 +226,12 @@ class Scheduler:
             if request.grammar is not None and not request.grammar.ready:  # STRUCTURED OUTPUT: wait, keep order
                 compiling.append(self.waiting.popleft())
                 continue
+            source = request.prompt_source
+            if source is not None:  # another completion of the same prompt (n > 1) computes it once
+                if source.status is RequestStatus.FINISHED:
+                    request.prompt_source = None  # gone before sharing: compute the prompt here
+                elif source.status is not RequestStatus.RUNNING or source.num_computed_tokens < source.num_prompt_tokens:
+                    break  # wait (in order) until the source's prompt is in the cache, then share its blocks
             hit_ids, num_cached = self.kv.get_computed_blocks(request)
             num_tokens = request.num_tokens
             num_new = num_tokens - num_cached
@@ -238,6 +244,7 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_new, hit_ids):
                 break
             self.waiting.popleft()
+            request.prompt_source = None  # shared once; a preempted request recomputes on its own
             request.num_computed_tokens = request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: self._priority[r.request_id])
@@ -306,13 +313,17 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def cancel_step(self) -> None:
+    def cancel_step(self) -> list[Request]:
         """The last scheduled step failed before producing results: forget it. Nothing advanced
         (num_computed_tokens moves only in update), blocks stay with their requests, so the
         next schedule() hands out the same work again. With a step in flight this forgets the
-        newer one; call it again to forget the step in flight too (its results are lost)."""
-        if self._steps:
-            self._undo(self._steps.pop())
+        newer one; call it again to forget the step in flight too (its results are lost).
+        Returns the requests the forgotten step held (the engine fails them)."""
+        if not self._steps:
+            return []
+        step = self._steps.pop()
+        self._undo(step)
+        return [request for request, *_ in step.entries]
 
     def update(self, sampled) -> list[Request]:
         """Apply a step's results: `sampled` is {request id: token} or a ModelRunnerOutput.
@@ -396,4 +407,4 @@ class Scheduler:
                 "kv_cache_usage": self.kv.usage, "prefix_cache_hit_rate": self.kv.prefix_cache_hit_rate,
                 "prefix_cache_queries": self.kv.prefix_cache_queries,
                 "prefix_cache_hits": self.kv.prefix_cache_hits, "num_preemptions": self.num_preemptions,
-                "num_drains": self.num_drains}
+                "num_drains": self.num_drains, "num_allocated_blocks": self.kv.pool.num_allocated}

@@ -474,9 +474,10 @@ def test_requests_added_between_steps(smollm2_engines):
     assert finals[True] == finals[False] and len(finals[True]) == 4
 
 
-def test_a_failed_launch_or_resolve_loses_nothing(smollm2_engines):
-    """A launch that raises is forgotten (the step in flight stays); a step whose tokens never
-    arrive is forgotten with the step launched after it. The engine then serves the same tokens."""
+def test_a_failed_launch_or_resolve_fails_its_requests(smollm2_engines):
+    """A launch that raises fails the requests of that step (the step in flight is still
+    applied); a step whose tokens never arrive fails its requests and the step launched after it
+    is forgotten. No step() raises; every request finishes; the engine then serves the same tokens."""
     engines, prompts = smollm2_engines
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in engines[False].generate(prompts[:3], params, use_tqdm=False)]
@@ -484,6 +485,8 @@ def test_a_failed_launch_or_resolve_loses_nothing(smollm2_engines):
     real, calls = engine.executor.execute_async, []
 
     class Lost:
+        sampled = None
+
         def resolve(self):
             raise RuntimeError("injected resolve failure")
 
@@ -495,20 +498,25 @@ def test_a_failed_launch_or_resolve_loses_nothing(smollm2_engines):
         return Lost() if len(calls) == 6 else pending
 
     engine.executor.execute_async = flaky
-    done, failures = {}, []
+    done = {}
     try:
-        for i in range(3):
+        for i in range(2):
             engine.add_request(prompts[i], params, request_id=f"f{i}")
-        while engine.has_unfinished_requests():
-            try:
-                done.update((o.request_id, o) for o in engine.step() if o.finished)
-            except RuntimeError as error:
-                failures.append(str(error))
+        while engine.has_unfinished_requests():  # launches 1, 2, then 3 fails: f0 and f1 fail
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        engine.add_request(prompts[2], params, request_id="f2")
+        while engine.has_unfinished_requests():  # launches 4, 5, then 6 is lost: f2 fails
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
     finally:
         engine.executor.execute_async = real
-    assert failures == ["injected launch failure", "injected resolve failure"]
-    assert [done[f"f{i}"].outputs[0].token_ids for i in range(3)] == expected
+    assert "injected launch failure" in done["f0"].error and "injected launch failure" in done["f1"].error
+    assert "injected resolve failure" in done["f2"].error
+    for out in done.values():
+        assert out.outputs[0].finish_reason == "abort"
+        assert out.outputs[0].token_ids == expected[int(out.request_id[1])][:len(out.outputs[0].token_ids)]
     assert engine.scheduler.kv.usage == 0.0 and engine.scheduler.num_steps_pending == 0
+    again = engines[True].generate(prompts[:3], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == expected
 
 
 # ---- on a GPU (scripts/gpu_suite.sh) ---------------------------------------------------------------

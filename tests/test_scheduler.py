@@ -303,3 +303,35 @@ def test_finish_request_from_engine():
     assert sched.finish_request("r", "stop", stop_reason="x") is r
     assert (r.finish_reason, r.stop_reason, r.block_ids) == ("stop", "x", [])
     assert sched.stats()["num_running"] == 0 and sched.num_unfinished == 0
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
+@pytest.mark.parametrize("budget,num_blocks,max_tokens", [(64, 64, 4), (8, 64, 4), (64, 64, 1), (64, 12, 12)],
+                         ids=["plain", "chunked-source", "source-done-in-prefill", "preemption"])
+def test_completions_of_one_prompt_share_its_blocks(caching, budget, num_blocks, max_tokens):
+    """`n` > 1: children wait until the first completion's prompt is computed, then start with its
+    full blocks (ref counts, not copies) and compute only the partial block's tokens; if the source
+    is gone first they compute the prompt themselves. Either way the tokens are the reference's."""
+    sched = make_scheduler(num_blocks=num_blocks, budget=budget, caching=caching, max_model_len=32)
+    prompt = [5 + i % 11 for i in range(18)]  # 4 full blocks of 4 + 2 tokens
+    source = make_request("0_p", prompt, max_tokens=max_tokens)
+    children = [make_request(f"{i}_p", prompt, max_tokens=max_tokens) for i in (1, 2, 3)]
+    sched.add_request(source)
+    for child in children:
+        child.prompt_source = source
+        sched.add_request(child)
+    outputs = run_all(sched)
+    for request in [source, *children]:
+        assert request.output_token_ids == reference(prompt, max_tokens)
+    first_chunks = {}
+    for out in outputs:
+        for s in out.scheduled:
+            first_chunks.setdefault(s.request_id, s)
+    if max_tokens > 1 and num_blocks == 64:
+        per_sequence = -(-(len(prompt) + max_tokens - 1) // BS)  # the last token is never written
+        assert sched.kv.pool.num_allocated == per_sequence + 3 * (per_sequence - 4)
+        for child in children:
+            assert first_chunks[child.request_id].num_computed_tokens == 16  # shared: only 2 tokens computed
+    if num_blocks == 12:
+        assert sched.num_preemptions > 0
+    assert sched.kv.usage == 0.0

@@ -284,6 +284,11 @@ class PipelineExecutor:
         state.groups = init_pipeline_groups(backend, 0, self.world_size, timeout_s, state.store)
 
     @property
+    def failure(self) -> str | None:
+        """Why the pipeline is down (a worker died or raised: every later step fails), else None."""
+        return self._state.failure
+
+    @property
     def worker_pids(self) -> dict[int, int]:
         """rank -> pid of the spawned workers ({} under an external launcher)."""
         return self._state.workers.pids() if self._state.workers is not None else {}
