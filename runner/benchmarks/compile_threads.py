@@ -28,7 +28,7 @@ def compile_variant(index: int) -> float:
     fn = ua.attention_kernel
     constexprs = dict(GROUP=3, HEAD_DIM=64, D_PAD=64, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=5 + index, BLOCK_N=64,
                       REQ_CHUNK=64, SPLIT_KV=bool(index % 2), DOT_FP32=False, FUSED_MERGE=True, MIN_SPLIT_TILES=1,
-                      MAX_SPLITS=16, PDL=False)
+                      MAX_SPLITS=16, HAS_WINDOW=False, HAS_SOFT_CAP=False, PDL=False)
     int_pointers = {"qsl_ptr", "seq_lens_ptr", "block_table_ptr", "ticket_ptr"}
     signature = {}
     for name in fn.arg_names:
@@ -36,7 +36,7 @@ def compile_variant(index: int) -> float:
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
             signature[name] = "*i32" if name in int_pointers else "*fp32" if name.startswith("part_") else "*bf16"
-        elif name == "scale_log2":
+        elif name in ("scale_log2", "soft_cap_log2"):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
