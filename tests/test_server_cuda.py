@@ -1,5 +1,6 @@
-"""`graphrunner serve default` on a GPU: decode steps replay CUDA graphs (FULL in /metrics), greedy
-tokens equal the offline engine's, and concurrent streams complete with async scheduling on."""
+"""`graphrunner serve` on a GPU: decode steps replay CUDA graphs (FULL in /metrics), greedy tokens
+equal the offline engine's, and concurrent streams complete with async scheduling on. The model
+is a tiny random checkpoint with the one-byte-per-token test tokenizer (nothing to download)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,21 @@ pytestmark = pytest.mark.cuda
 
 
 @pytest.fixture(scope="module")
-def server():
-    process = ServerProcess(["default", "--device", "cuda", "--max-model-len", "1024",
-                             "--gpu-memory-utilization", "0.4"], timeout=600)
+def checkpoint(tmp_path_factory):
+    from checkpoints import make_tiny_checkpoint
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", "llama_gqa",
+                                    max_position_embeddings=1024)[0])
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    process = ServerProcess([checkpoint, "--served-model-name", "default", "--device", "cuda",
+                             "--max-model-len", "1024", "--gpu-memory-utilization", "0.4"], timeout=600)
     yield process
     process.stop()
 
 
-def test_gpu_server_replays_graphs_and_matches_offline(server):
+def test_gpu_server_replays_graphs_and_matches_offline(server, checkpoint):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     prompts = ["The capital of France is", "def fibonacci(n):"]
     served = [client.completions.create(model="default", prompt=p, max_tokens=24, temperature=0.0,
@@ -51,7 +59,7 @@ def test_gpu_server_replays_graphs_and_matches_offline(server):
 
     server.stop()  # the offline engine gets the GPU to itself
     from runner import LLM
-    with LLM("default", device="cuda", max_model_len=1024) as llm:
+    with LLM(checkpoint, device="cuda", max_model_len=1024) as llm:
         for prompt, tokens in zip(prompts, served):
             reference = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0]
             assert tokens == reference.outputs[0].token_ids

@@ -271,13 +271,15 @@ def test_bitmask_kernel_on_the_gpu_matches_the_reference():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_constraints_hold_with_cuda_graphs_and_dummy_weights(async_scheduling):
+def test_constraints_hold_with_cuda_graphs_and_dummy_weights(async_scheduling, tmp_path):
     """Whatever the weights, the output matches the constraint; free greedy rows sharing the steps
-    (graph replays, FULL_AND_PIECEWISE) equal their output alone."""
-    from models.embedded import ensure_smollm2
+    (graph replays, FULL_AND_PIECEWISE) equal their output alone. A tiny checkpoint with the
+    one-byte-per-token test tokenizer: it needs nothing but what the tests build."""
+    from checkpoints import make_tiny_checkpoint
+
     from runner import LLM
-    path = str(ensure_smollm2())
-    prompts = [[(i * 31 + j) % 5000 for j in range(12)] for i in range(6)]
+    path = str(make_tiny_checkpoint(tmp_path / "tiny", "llama_gqa")[0])
+    prompts = [[3 + (i * 31 + j) % 200 for j in range(12)] for i in range(6)]
     free = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     constrained = [SamplingParams(temperature=t, seed=2, max_tokens=24,
                                   structured_outputs=StructuredOutputsParams(**c))
