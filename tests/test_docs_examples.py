@@ -7,6 +7,8 @@ on the line before a block says what else it needs:
 - `<!-- requires: multiprocess -->`: spawns processes (pipeline parallel: one GPU per rank), so
   it must be a real script: it runs as one in a subprocess, as a `cuda` test on a machine with
   two GPUs (on a CPU every rank would size its own KV cache from free memory: minutes).
+- `<!-- requires: server -->`: a client of `graphrunner serve default --port 8000`; the test starts
+  that server (on a free loopback port, which replaces 8000) and runs the example against it.
 - `<!-- requires: torchrun -->`: run by an external launcher; skipped (the pipeline tests
   cover that path).
 - `<!-- excerpt: module.name -->`: not an example but a copy of dataclasses in `module.name`;
@@ -97,6 +99,18 @@ def _param(example: Example):
                         marks=[pytest.mark.cuda] if needs_gpu else [])
 
 
+def _run_against_a_server(example: Example) -> None:
+    """Start the server the example talks to (the embedded model, on a free loopback port, which
+    replaces the example's 8000), run the example, stop the server."""
+    from server_helpers import ServerProcess
+    server = ServerProcess(["default", "--max-model-len", "1024", "--kv-cache-memory", str(256 * 2**20)])
+    try:
+        code = example.code.replace("127.0.0.1:8000", server.url.removeprefix("http://"))
+        exec(compile(code, f"{example.file.name}:{example.line}", "exec"), {"__name__": "__main__"})
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("example", [_param(e) for e in EXAMPLES])
 def test_example_runs_as_written(example, small_kv_cache, tmp_path, capsys):
     kind, value = example.marker or (None, None)
@@ -107,6 +121,9 @@ def test_example_runs_as_written(example, small_kv_cache, tmp_path, capsys):
         pytest.skip("runs under torchrun (tests/test_pipeline.py covers the launcher path)")
     if value == "multiprocess" and torch.cuda.device_count() < 2:
         pytest.skip("requires two GPUs (one per pipeline rank)")
+    if value == "server":  # a client of `graphrunner serve default --port 8000`: start that server
+        _run_against_a_server(example)
+        return
     assert kind is None or value in ("cuda", "multiprocess"), f"unknown marker {example.marker}"
     if value in ("cuda", "multiprocess") and "default" in example.code:
         from models.embedded import EmbeddedModelError, ensure_smollm2
