@@ -13,7 +13,7 @@ import torch
 
 from attention.backends.torch_sdpa import TorchSDPABackend
 from attention.metadata import CommonAttentionMetadata
-from models import cpu_kernels
+from attention.backends import cpu_decode_attention
 from tests.paged_batch import make_batch, reference_attention
 
 CASES = [(5, None), (None, 2.0), (7, 1.5), (1, None)]
@@ -67,7 +67,7 @@ def test_decode_step_and_the_c_kernel_declines(window, soft_cap, native, monkeyp
     """A pure decode step (GQA folded into the query rows); where the C decode kernel would serve
     the step, a layer with a window or soft-cap takes the torch path instead (the C kernel has
     neither), so the answer is the reference's either way."""
-    monkeypatch.setattr(cpu_kernels, "native_attention", lambda: native)
+    monkeypatch.setattr(cpu_decode_attention, "native_attention", lambda: native)
     query_lens = [1, 1, 1]
     b = make_batch(query_lens, [40, 7, 100], num_q_heads=6, num_kv_heads=2, head_dim=16, block_size=16, seed=3)
     b.query *= 4

@@ -9,6 +9,7 @@ import faulthandler
 import json
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from checkpoints import hf_greedy_generate, make_tiny_checkpoint
 from configs import SamplingParams
 from runner import LLM
+from runner.engine import EngineDeadError
 from runner.pipeline.executor import PipelineWorkerError
 from runner.pipeline.layers import split_layers
 from runner.scheduler import SchedulerOutput
@@ -151,6 +153,15 @@ def test_pipeline_matches_pp1_and_hf_and_shuts_down_cleanly(request, checkpoint,
 
 
 # ---- failures --------------------------------------------------------------------------------
+def _assert_failed(outputs, pattern: str, count: int | None = None) -> None:
+    """A broken pipeline kills the engine: every request finishes with "abort" and an error that
+    says why (the worker's rank, its exit or its traceback)."""
+    assert outputs and (count is None or len(outputs) == count), outputs
+    for output in outputs:
+        assert output.finished and output.outputs[0].finish_reason == "abort", output
+        assert re.search(pattern, output.error, re.S), output.error
+
+
 def test_killed_worker_is_an_error_naming_the_rank(untied):
     path, prompts, expected = untied
     with hang_guard(120):
@@ -159,13 +170,15 @@ def test_killed_worker_is_an_error_naming_the_rank(untied):
         assert _tokens(llm, prompts[:2]) == expected[:2]
         os.kill(pids[1], signal.SIGKILL)  # between generate() calls, the middle rank
         started = time.monotonic()
-        with pytest.raises(PipelineWorkerError, match=r"rank 1 \(pid \d+\) died \(exit code -9, SIGKILL\)"):
-            llm.generate(prompts[:2], GREEDY, use_tqdm=False)
+        outs = llm.generate(prompts[:2], GREEDY, use_tqdm=False)  # the engine dies: each request says why
+        _assert_failed(outs, r"PipelineWorkerError: .*rank 1 \(pid \d+\) died \(exit code -9, SIGKILL\)")
         assert time.monotonic() - started < 30
         assert multiprocessing.active_children() == []  # the survivor was stopped at once
         assert not any(_alive(pid) for pid in pids.values())
         with pytest.raises(PipelineWorkerError, match="the pipeline is down: pipeline worker rank 1"):
             llm.engine.executor.execute(SchedulerOutput([], 0, [], ["0"]))
+        with pytest.raises(EngineDeadError, match="rank 1"):  # later calls: one clear error at once
+            llm.generate(prompts[:1], GREEDY, use_tqdm=False)
         llm.shutdown()
         llm.shutdown()
 
@@ -183,10 +196,14 @@ def test_worker_killed_mid_generation(untied):
         killer = threading.Timer(0.2, os.kill, (pid, signal.SIGKILL))
         killer.start()
         started = time.monotonic()
-        with pytest.raises(PipelineWorkerError, match=r"pipeline worker rank 1 .*died .*SIGKILL"):
-            while engine.has_unfinished_requests():
-                engine.step()
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
         killer.join()
+        _assert_failed([o for o in outs if o.finished], r"PipelineWorkerError: pipeline worker rank 1 .*died .*SIGKILL",
+                       count=4)
+        with pytest.raises(EngineDeadError):
+            engine.step()
         assert time.monotonic() - started < 30
     assert multiprocessing.active_children() == []
 
@@ -248,9 +265,8 @@ def test_worker_step_error_reports_its_traceback(untied, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")]))
     with hang_guard(120), LLM(model=str(path), pipeline_parallel_size=2, **CPU) as llm:
         monkeypatch.delenv("PYTHONPATH")
-        with pytest.raises(PipelineWorkerError,
-                           match=r"(?s)pipeline worker rank 1 failed:\n.*sample.*ValueError: injected sampler failure"):
-            llm.generate(prompts[:2], GREEDY, use_tqdm=False)
+        outs = llm.generate(prompts[:2], GREEDY, use_tqdm=False)
+        _assert_failed(outs, r"pipeline worker rank 1 failed:\n.*sample.*ValueError: injected sampler failure")
     assert multiprocessing.active_children() == []
 
 
