@@ -120,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     from models.embedded import ensure_smollm2
     from runner.engine import LLMEngine
 
-    embedded = str(ensure_smollm2())
+    # The embedded model is built only where it is needed: no --tokenizer, or no --shape/--model.
+    needs_embedded = args.tokenizer is None or not (args.shape or args.model)
+    embedded = str(ensure_smollm2()) if needs_embedded else None
     with tempfile.TemporaryDirectory(prefix="bench_structured_") as tmp:
         if args.shape:
             model = str(_shape_folder(args.shape, Path(tmp), args.num_layers))
