@@ -12,7 +12,11 @@ KernelConfig.small_batch_kernels=False turns only that off.
 
 On a CPU the reference paths are what runs, so they keep HF's rounding points (token-exact
 greedy parity) with as few passes and temporaries as that allows, and fp32 linears of small
-batches (decode) use an MKL-packed copy of the weight (`Linear`)."""
+batches (decode) use an MKL-packed copy of the weight (`Linear`).
+
+Why one file of ~480 lines: each block's weight loader, torch reference and kernel dispatch are
+read together (a new family builds from these and nothing else), and the blocks share the
+dispatch helpers; RoPE, the one block with tables of its own, is models/rotary.py."""
 
 from __future__ import annotations
 

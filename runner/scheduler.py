@@ -1,5 +1,10 @@
 """Continuous batching: which requests run this step, how many tokens each, and when they stop.
 
+Why one file of ~410 lines: the synchronous and the async accounting (placeholders, in-flight
+tokens, drains), preemption and the sharing of a prompt's blocks by `n` completions all change
+the same running/waiting lists and KV-cache calls in `schedule` and `update`; split apart, the
+invariants between them could no longer be read in one place.
+
 Every step has a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`).
 Running requests go first in arrival order (a decode adds one token; a chunked prefill adds
 as much of the rest as the budget allows), then waiting requests in FCFS order. When the KV

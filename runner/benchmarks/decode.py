@@ -1,5 +1,8 @@
 """Decode-step latency per CUDA graph mode vs HF transformers eager and the memory floor, same run.
 
+(A benchmark of ~580 lines on purpose: the engine side, the HF side, the bandwidth floor and the
+report of one comparison stay in one file so a figure and its method are read together.)
+
     graphrunner bench decode [--shapes smollm2-135m llama-3.2-1b llama-3-8b]
         [--batch-sizes 1 8 32 128] [--modes NONE PIECEWISE FULL] [--warmup 5] [--steps 20]
         [--prompt-len 128] [--async-scheduling {auto,on,off}] [--no-hf] [--hf-max-batch N] [--quick]
