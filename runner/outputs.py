@@ -76,7 +76,23 @@ PromptLogprobs = list[dict[int, Logprob] | None]
 """Per prompt token: None for the first (nothing predicts it), then {token id: Logprob}."""
 
 
-class CompletionOutput:
+class _FieldsValue:
+    """Equality and repr over a slotted class's `_FIELDS` (outputs compare by value in tests)."""
+
+    __slots__ = ()
+    _FIELDS: tuple[str, ...] = ()
+
+    def __eq__(self, other) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return all(getattr(self, name) == getattr(other, name) for name in self._FIELDS)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._FIELDS)
+        return f"{type(self).__name__}({fields})"
+
+
+class CompletionOutput(_FieldsValue):
     """One completion of a request (vLLM's CompletionOutput; `n` completions share a prompt).
 
     The engine makes one per completion per step, so it does not copy the tokens each time
@@ -115,17 +131,8 @@ class CompletionOutput:
 
     _FIELDS = ("index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_reason")
 
-    def __eq__(self, other) -> bool:
-        if other.__class__ is not self.__class__:
-            return NotImplemented
-        return all(getattr(self, name) == getattr(other, name) for name in self._FIELDS)
 
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._FIELDS)
-        return f"CompletionOutput({fields})"
-
-
-class RequestOutput:
+class RequestOutput(_FieldsValue):
     """One request's state after a step (vLLM's RequestOutput): the prompt, and one
     CompletionOutput per completion in `outputs`."""
 
@@ -146,11 +153,3 @@ class RequestOutput:
     _FIELDS = ("request_id", "prompt", "prompt_token_ids", "prompt_logprobs", "outputs", "finished", "metrics",
                "error")
 
-    def __eq__(self, other) -> bool:
-        if other.__class__ is not self.__class__:
-            return NotImplemented
-        return all(getattr(self, name) == getattr(other, name) for name in self._FIELDS)
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._FIELDS)
-        return f"RequestOutput({fields})"
