@@ -45,7 +45,7 @@ import time
 
 import torch
 
-from runner.benchmarks.results import add_out_argument, write_json
+from runner.benchmarks.results import add_out_argument, torch_threads, write_json
 
 TOPICS = ["the ocean", "a robot", "mountains", "coffee", "the moon", "a library", "trains", "winter"]
 
@@ -178,8 +178,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep the engine's prefix cache between runs (less work than HF)")
     add_out_argument(parser)
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    with torch_threads(args.threads):
+        return _run(args)
+
+
+def _run(args) -> int:
     from runner.engine import resolve_model_path
     from transformers import AutoTokenizer
     path = resolve_model_path(args.model)

@@ -55,7 +55,7 @@ import torch
 
 from runner.benchmarks.decode import Clock, StepMarks
 from runner.benchmarks.model_shapes import write_config
-from runner.benchmarks.results import add_out_argument, write_json
+from runner.benchmarks.results import add_out_argument, torch_threads, write_json
 
 TINY_OVERRIDES = dict(num_hidden_layers=1, hidden_size=16, intermediate_size=16, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=8)
@@ -237,7 +237,11 @@ def main(argv: list[str] | None = None) -> int:
 def run(argv: list[str] | None = None) -> dict:
     """Run the benchmark; print the table and return the figures (also written to DIR/host.json with --out)."""
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
+    with torch_threads(args.threads):
+        return _run(args)
+
+
+def _run(args) -> dict:
     max_model_len = args.prompt_len + args.warmup + args.steps * (args.repeats + 1) + 200
     rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 
 def add_out_argument(parser: argparse.ArgumentParser) -> None:
@@ -32,3 +33,17 @@ def write_json(out: Path | None, filename: str, data: Any) -> Path | None:
     if path is not None:
         path.write_text(json.dumps(data, indent=1) + "\n")
     return path
+
+
+@contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """torch's thread count set to `threads` (None: left as is) for the block, then restored: a
+    benchmark run in-process (tests, the CLI) must not change the caller's numerics afterwards."""
+    import torch
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
