@@ -115,9 +115,9 @@ class PerWeight:
 
 
 def _packing_enabled() -> bool:
-    """MKL's packed sgemm (torch.ops.mkl._mkl_linear) is there and passed its check, and
-    KernelConfig.cpu_packed_linear is on. A pack costs about the weight's size in memory again, once per weight."""
-    return active_kernel_config().cpu_packed_linear and not _packing_failed and _packing_available()
+    """MKL's packed sgemm (torch.ops.mkl._mkl_linear) is there and KernelConfig.cpu_packed_linear
+    is on. A pack costs about the weight's size in memory again, once per weight."""
+    return active_kernel_config().cpu_packed_linear and _packing_available()
 
 
 @functools.cache
@@ -125,17 +125,16 @@ def _packing_available() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
-_packing_failed = False
-"""Set when a pack fails its check: packing stays off for the process."""
-
-
 def _build_pack(weight: torch.Tensor):
-    """MKL-packed copy of `weight` ([N, K] fp32, CPU); None when MKL packing fails its check.
+    """MKL-packed copy of `weight` ([N, K] fp32, CPU); None (this weight stays unpacked) when
+    packing fails its check.
 
     MKL's packed format carries its own metadata: the row count given to the packing is a
     blocking hint, and the product is computed for any row count (PaddlePaddle packs with
-    m=1 and computes whole batches). A new pack is checked once against F.linear at a row
-    count other than the hint; any mismatch switches packing off for the process."""
+    m=1 and computes whole batches). Each new pack is checked once against F.linear at a row
+    count other than the hint. A failed check concerns this weight only (a weight holding NaN or
+    Inf fails it whatever MKL does), so it never switches packing off for other weights or for
+    later engines in the same process: their linears must compute what a fresh process computes."""
     try:
         with torch.no_grad():
             pack = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), _PACK_HINT_ROWS)
@@ -146,9 +145,8 @@ def _build_pack(weight: torch.Tensor):
     except RuntimeError as error:
         ok, pack = False, error
     if not ok:
-        global _packing_failed
-        logger.warning("MKL packed linear disabled: %s", pack if isinstance(pack, Exception) else "check failed")
-        _packing_failed = True
+        logger.warning("MKL packed linear not used for a [%d, %d] weight: %s", *weight.shape,
+                       pack if isinstance(pack, Exception) else "its check failed")
         return None
     return pack
 

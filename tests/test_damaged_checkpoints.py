@@ -160,3 +160,24 @@ def test_damage_in_the_embedded_models_folder_says_how_to_rebuild_it(pristine, t
     with pytest.raises(NonFiniteWeightError, match=rf"'{re.escape(TENSOR)}'.*embedded model's folder: rebuild it with: "
                                                    r"python -m models\.embedded --force"):
         load_ours(folder)
+
+
+def test_a_weight_failing_the_pack_check_leaves_packing_on_for_every_other_weight():
+    """A NaN weight (loaded with check_finite_weights=False) fails the MKL pack check; that weight
+    alone stays unpacked, so engines built later in the same process compute what a fresh process
+    computes (packing used to switch off process-wide, changing later engines' last bits)."""
+    import torch.nn.functional as F
+    from models import layers
+    if not layers._packing_available():   # x86-64 torch wheels ship MKL; others may not
+        pytest.skip("this torch build has no MKL packed linear")
+    damaged = torch.randn(64, 32)
+    damaged[3, 5] = float("nan")
+    assert layers._build_pack(damaged) is None
+    assert layers._packing_enabled()
+    linear = layers.Linear(32, 64, bias=False)
+    x = torch.randn(4, 32)
+    packed = layers._weight_pack(linear.weight)
+    assert packed is not None
+    expected = torch.ops.mkl._mkl_linear(x, packed, linear.weight, None, 4)
+    assert torch.equal(linear(x), expected)
+    torch.testing.assert_close(linear(x), F.linear(x, linear.weight))

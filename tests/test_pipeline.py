@@ -142,7 +142,7 @@ def test_pipeline_matches_pp1_and_hf_and_shuts_down_cleanly(request, checkpoint,
             assert _tokens(llm, prompts) == expected
             seeded = llm.generate(prompts[:3], SEEDED, use_tqdm=False)  # generators live on the last rank
             assert [o.outputs[0].token_ids for o in seeded] == seeded_tokens
-            pp_logprobs = [o.outputs[0].logprobs for o in seeded]
+            assert [o.outputs[0].logprobs for o in seeded] == seeded_logprobs
             assert _tokens(llm, prompts[:2]) == expected[:2]  # again, after finished ids went round
         assert multiprocessing.active_children() == []
         assert not any(_alive(pid) for pid in pids.values())
@@ -150,12 +150,6 @@ def test_pipeline_matches_pp1_and_hf_and_shuts_down_cleanly(request, checkpoint,
         llm.shutdown()  # twice is fine
         with pytest.raises(RuntimeError, match="shut down"):
             executor.execute(SchedulerOutput([], 0, [], ["0"]))
-    if pp_logprobs != seeded_logprobs:
-        # Known open defect: equal alone (and in a fresh process), but after the rest of the suite
-        # has run in this process the in-process PP=1 reference's seeded logprob entries differ
-        # from the workers' (same tokens). Reported, not hidden: the test is marked, not deleted.
-        pytest.xfail("seeded logprob entries of an in-process PP=1 engine differ after other tests ran "
-                     "in the same process (tokens equal)")
 
 
 # ---- failures --------------------------------------------------------------------------------
