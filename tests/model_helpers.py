@@ -29,3 +29,21 @@ def prefill_logits(model, prompts: list[list[int]]) -> list[torch.Tensor]:
     logits = model.compute_logits(hidden)
     starts = common.query_start_loc_cpu.tolist()
     return [logits[a:b] for a, b in zip(starts[:-1], starts[1:])]
+
+
+def mixed_step_tokens(engine, mixed: list[list[int]], params) -> list[list[int]]:
+    """Request 0 decodes while requests 1 and 2 prefill, so one step holds both kinds; the finished
+    token ids of the three requests, in order."""
+    engine.add_request(mixed[0], params, request_id="m0")
+    while True:
+        outs = engine.step()
+        if outs and len(outs[0].outputs[0].token_ids) == 2:
+            break
+    engine.add_request(mixed[1], params, request_id="m1")
+    engine.add_request(mixed[2], params, request_id="m2")
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return [done["m0"], done["m1"], done["m2"]]

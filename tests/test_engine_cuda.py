@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from checkpoints import hf_greedy_generate, make_tiny_checkpoint
+from model_helpers import mixed_step_tokens
 from configs import CUDAGraphMode, SamplingParams
 
 pytestmark = pytest.mark.cuda
@@ -45,24 +46,6 @@ def _release(llm):
     torch.cuda.empty_cache()
 
 
-def _mixed_step_tokens(llm, mixed):
-    """Request 0 decodes while requests 1 and 2 prefill: one step holds both kinds."""
-    engine = llm.engine
-    engine.add_request(mixed[0], GREEDY, request_id="m0")
-    while True:
-        outs = engine.step()
-        if outs and len(outs[0].outputs[0].token_ids) == 2:
-            break
-    engine.add_request(mixed[1], GREEDY, request_id="m1")
-    engine.add_request(mixed[2], GREEDY, request_id="m2")
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return [done["m0"], done["m1"], done["m2"]]
-
-
 EXPECTED_GRAPHS = {"NONE": 0, "PIECEWISE": 14, "FULL": 14, "FULL_AND_PIECEWISE": 14, "FULL_DECODE_ONLY": 7}
 """PIECEWISE: a mixed and a decode graph per size (all SIZES <= max_num_seqs)."""
 
@@ -79,7 +62,7 @@ def test_graph_modes_match_eager_and_hf(tiny, mode):
     for n in (1, 3, 17):
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts[:n], GREEDY, use_tqdm=False)]
         assert tokens == expected[:n], f"{mode} batch {n}"
-    assert _mixed_step_tokens(llm, mixed) == expected_mixed
+    assert mixed_step_tokens(llm.engine, mixed, GREEDY) == expected_mixed
     if mode != "NONE":
         assert sum(w.num_replays for w in wrappers) > 0
         print(f"{mode}: graphs={runner.capture_summary.num_graphs} capture_s={runner.capture_summary.seconds:.2f} "
@@ -99,7 +82,7 @@ def test_torch_backend_falls_back_to_piecewise_with_same_tokens(tiny):
     llm = _llm(path, "FULL", attention_backend="torch")
     assert llm.engine.model_runner.cudagraph_mode == CUDAGraphMode.PIECEWISE  # torch backend: NEVER in FULL
     assert [o.outputs[0].token_ids for o in llm.generate(prompts[:3], GREEDY, use_tqdm=False)] == expected[:3]
-    assert _mixed_step_tokens(llm, mixed) == expected_mixed
+    assert mixed_step_tokens(llm.engine, mixed, GREEDY) == expected_mixed
     _release(llm)
 
 
@@ -137,7 +120,7 @@ def test_first_replay_address_check_is_on_by_default(tiny, mode):
     wrappers = [w for w in (runner.full, runner.piecewise) if w is not None]
     assert all(w.address_check is AddressCheck.FIRST_REPLAY for w in wrappers)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts[:3], GREEDY, use_tqdm=False)] == expected[:3]
-    assert _mixed_step_tokens(llm, mixed) == expected_mixed
+    assert mixed_step_tokens(llm.engine, mixed, GREEDY) == expected_mixed
     for w in wrappers:
         assert w.first_replay_checks == len(w.replays_by_descriptor)
         assert all((e.recorder is None) == (d in w.replays_by_descriptor) for d, e in w._entries.items())

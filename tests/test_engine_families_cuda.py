@@ -13,6 +13,7 @@ import transformers
 from packaging.version import Version
 
 from checkpoints import hf_greedy_generate, make_tiny_checkpoint
+from model_helpers import mixed_step_tokens
 from configs import CUDAGraphMode, SamplingParams
 
 pytestmark = pytest.mark.cuda
@@ -50,23 +51,6 @@ def family(request, tmp_path_factory):
     return name, path, engine_options, prompts, mixed, expected[:len(prompts)], expected[len(prompts):]
 
 
-def _mixed_step_tokens(engine, mixed):
-    """Request 0 decodes while requests 1 and 2 prefill: one step holds both kinds."""
-    engine.add_request(mixed[0], GREEDY, request_id="m0")
-    while True:
-        outs = engine.step()
-        if outs and len(outs[0].outputs[0].token_ids) == 2:
-            break
-    engine.add_request(mixed[1], GREEDY, request_id="m1")
-    engine.add_request(mixed[2], GREEDY, request_id="m2")
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return [done["m0"], done["m1"], done["m2"]]
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_graph_modes_give_hfs_tokens(family, mode):
     from runner import LLM
@@ -79,7 +63,7 @@ def test_graph_modes_give_hfs_tokens(family, mode):
     for n in (1, 3, len(prompts)):
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts[:n], GREEDY, use_tqdm=False)]
         assert tokens == expected[:n], f"{name} {mode} batch {n}"
-    assert _mixed_step_tokens(llm.engine, mixed) == expected_mixed, f"{name} {mode} mixed step"
+    assert mixed_step_tokens(llm.engine, mixed, GREEDY) == expected_mixed, f"{name} {mode} mixed step"
     wrappers = [w for w in (runner.full, runner.piecewise) if w is not None]
     if mode != "NONE":
         assert sum(w.num_replays for w in wrappers) > 0
