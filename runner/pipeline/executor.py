@@ -41,8 +41,9 @@ from runner.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-JOIN_TIMEOUT_S = 10.0
-"""How long shutdown waits for workers to exit after "stop" before it terminates them."""
+JOIN_TIMEOUT_S = 30.0
+"""How long shutdown waits for workers to exit after "stop" before it terminates them (generous: a
+loaded machine can take seconds to tear down a process group and exit an interpreter)."""
 FAILURE_GRACE_S = 5.0
 """After a communication error, how long rank 0 waits for a worker's report or death to explain it."""
 
