@@ -112,6 +112,37 @@ def test_model_build_names_an_indivisible_field(tmp_path):
         load_ours(path)
 
 
+def test_tensor_parallel_size_checked_against_the_config(tmp_path):
+    from models import load_hf_config, model_spec
+    from models.hf_config import check_tensor_parallel_size
+    path, _ = make_tiny_checkpoint(tmp_path / "c", "llama_gqa", with_tokenizer=False, intermediate_size=130)
+    spec = model_spec(load_hf_config(path))
+    check_tensor_parallel_size(spec, 2)
+    with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by tensor_parallel_size=3"):
+        check_tensor_parallel_size(spec, 3)
+    with pytest.raises(ValueError, match="intermediate_size=130 is not divisible by tensor_parallel_size=4"):
+        check_tensor_parallel_size(spec, 4)
+
+
+def test_single_rank_builds_todays_modules_and_no_collective(tmp_path, monkeypatch):
+    """tensor_parallel_size 1: plain Linear / ScaledEmbedding modules (no parallel layer, no padding),
+    and a forward that never reaches torch.distributed."""
+    import torch.distributed as dist
+    from model_helpers import prefill_logits
+    from models.layers import Linear, RowParallelLinear, ScaledEmbedding
+    from models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+    path, _ = make_tiny_checkpoint(tmp_path / "c", "llama_gqa", with_tokenizer=False, vocab_size=255, mlp_bias=True)
+    model = load_ours(path)
+    kinds = {type(m) for m in model.modules()}
+    assert not kinds & {RowParallelLinear, ParallelLMHead, VocabParallelEmbedding}
+    assert type(model.lm_head) is Linear and type(model.model.embed_tokens) is ScaledEmbedding
+    assert model.lm_head.weight.shape[0] == 255
+    assert (model.num_local_heads, model.num_local_kv_heads) == (4, 2)
+    for name in ("all_reduce", "all_gather", "all_gather_into_tensor"):
+        monkeypatch.setattr(dist, name, lambda *a, **k: pytest.fail("a collective on a single rank"))
+    assert prefill_logits(model, [[1, 2, 3]])[0].shape == (3, 255)
+
+
 # ---- sharded loading (in this process: loading needs no collective) ------------------------------
 
 class _RecordingOpen:
@@ -237,6 +268,22 @@ def _assert_rank_holds_its_slices(model, hf_weights: dict, rank: int) -> None:
     assert torch.equal(model.lm_head.weight[:vocab.num_real_rows], hf_weights[head_name][real])
     if spec.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == embed.data_ptr()
+
+
+def test_tied_head_of_a_last_pipeline_stage_reads_its_vocab_block(tmp_path):
+    """TP x PP: a last stage without the embedding loads its tied head from the embedding's tensor,
+    its own vocabulary block only."""
+    from models import build_model, load_hf_config, model_spec
+    path, hf = make_tiny_checkpoint(tmp_path / "c", "llama_gqa", with_tokenizer=False, tie_word_embeddings=True,
+                                    vocab_size=255)
+    spec = model_spec(load_hf_config(path))
+    for rank in range(TP):
+        set_tensor_parallel_group(rank, TP, object())
+        last = build_model(spec, path, device=torch.device("cpu"), dtype=torch.float32, layer_range=range(1, 2))
+        vocab = shard_vocab(255, TP, rank)
+        embed = hf.model.embed_tokens.weight[vocab.start:vocab.start + vocab.num_real_rows]
+        assert torch.equal(last.lm_head.weight[:vocab.num_real_rows], embed)
+        assert not last.lm_head.weight[vocab.num_real_rows:].any()
 
 
 def test_damage_is_still_named_under_tensor_parallelism(tmp_path):
