@@ -14,9 +14,15 @@ On a CPU the reference paths are what runs, so they keep HF's rounding points (t
 greedy parity) with as few passes and temporaries as that allows, and fp32 linears of small
 batches (decode) use an MKL-packed copy of the weight (`Linear`).
 
-Why one file of ~480 lines: each block's weight loader, torch reference and kernel dispatch are
-read together (a new family builds from these and nothing else), and the blocks share the
-dispatch helpers; RoPE, the one block with tables of its own, is models/rotary.py."""
+Under tensor parallelism (models/parallel_state.py) the packed projections are column-parallel
+(`PackedLinear`: each rank keeps and reads its rows of every part) and the projections back to the
+hidden size row-parallel (`RowParallelLinear`: one all-reduce); the vocabulary-parallel embedding
+and LM head are models/vocab_parallel.py. A single rank builds exactly the modules it always did.
+
+Why one file of ~600 lines: each block's weight loader, torch reference and kernel dispatch are
+read together (a new family builds from these and nothing else), the blocks share the dispatch
+helpers, and the linears' tensor-parallel forms extend `Linear`'s loader and fast paths, which
+`GatedMLP` builds from; RoPE, the one block with tables of its own, is models/rotary.py."""
 
 from __future__ import annotations
 
