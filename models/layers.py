@@ -198,8 +198,8 @@ class Linear(nn.Linear):
     `weight_loader(param, loaded, shard_id)` places a checkpoint tensor into one of its
     parameters (models/loader.py calls it for every tensor): a plain Linear takes tensors as
     stored; the packed subclasses below also take one shard at a time, and under tensor
-    parallelism read only their rank's rows (`PackedLinear`); the row-parallel and vocabulary-
-    parallel layers are models/parallel_layers.py."""
+    parallelism read only their rank's rows (`PackedLinear`); `RowParallelLinear` reads its
+    columns; the vocabulary-parallel embedding and head are models/vocab_parallel.py."""
 
     shard_ids: tuple = ()
     """The shard ids a packed layer is loaded from, one checkpoint tensor each (empty: unpacked)."""
