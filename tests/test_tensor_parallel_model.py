@@ -341,20 +341,21 @@ TORCH_SMALL_BATCH_KERNELS = types.SimpleNamespace(norm_linear=_norm_linear, norm
 
 
 @torch.inference_mode()
-def _run_steps(model, small_batch_row: bool) -> dict[str, torch.Tensor]:
-    """fp32 logits of: a prefill of two prompts, a decode step of both, then a decode step of the
-    first alone (through the fused small-batch layer path when `small_batch_row`), with a paged
-    KV cache of this rank's heads."""
-    from attention.backends.torch_sdpa import TorchSDPABackend
+def _run_steps(model, small_batch_row: bool, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """fp32 logits (on the CPU) of: a prefill of two prompts, a decode step of both, then a decode
+    step of the first alone (on a CPU through the fused small-batch layer path when
+    `small_batch_row`; a GPU takes the real kernels by itself), with a paged KV cache of this rank's
+    heads; the torch attention backend on a CPU, Triton on a GPU."""
+    from attention.backends import get_attention_backend
     from attention.forward_context import ForwardContext, set_forward_context
     from runner.input_batch import InputBatch
     import models.llama
 
     spec = model.spec
-    caches = [torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, model.num_local_kv_heads, spec.head_dim)
-              for _ in model.layer_range]
-    backend = TorchSDPABackend()
-    batch = InputBatch(32, 2, NUM_BLOCKS, BLOCK_SIZE, torch.device("cpu"))
+    caches = [torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, model.num_local_kv_heads, spec.head_dim, device=device,
+                          dtype=model.lm_head.weight.dtype) for _ in model.layer_range]
+    backend = get_attention_backend("torch" if device == "cpu" else "triton")
+    batch = InputBatch(32, 2, NUM_BLOCKS, BLOCK_SIZE, torch.device(device))
     blocks = [[0, 1, 2], [3, 4, 5, 6]]
     prompts = _prompts(spec.vocab_size)
 
@@ -363,13 +364,13 @@ def _run_steps(model, small_batch_row: bool) -> dict[str, torch.Tensor]:
         common = batch.prepare(tokens, computed, block_ids, total, len(tokens))
         input_ids, positions = batch.model_inputs(total)
         with set_forward_context(ForwardContext(backend.build_metadata(common), caches, backend)):
-            return model.compute_logits(model(input_ids, positions)).clone()
+            return model.compute_logits(model(input_ids, positions)).cpu()
 
     out = {"prefill": step(prompts, [0, 0], blocks)}
     lens = [len(p) for p in prompts]
     out["decode"] = step([[5], [spec.vocab_size - 2]], lens, blocks)
     real_small_batch = models.llama.small_batch
-    if small_batch_row:   # the CPU never takes it by itself: answer the kernels for one row
+    if small_batch_row and device == "cpu":   # the CPU never takes it by itself: answer the kernels for one row
         models.llama.small_batch = lambda x: TORCH_SMALL_BATCH_KERNELS if x.shape[0] == 1 else None
     try:
         out["decode_one_row"] = step([[7]], [lens[0] + 1], blocks[:1])
@@ -400,13 +401,15 @@ def _rank_main(rank: int, store_port: int, checkpoints: dict[str, str], out_dir:
         dist.destroy_process_group()
 
 
-def _spawn_ranks(checkpoints: dict[str, str], out_dir: Path) -> list[dict]:
+def _spawn_ranks(rank_main, checkpoints: dict[str, str], out_dir: Path) -> list[dict]:
+    """Run `rank_main(rank, store_port, checkpoints, out_dir)` in TP spawned processes, bounded by
+    RANK_TIMEOUT_S; each rank's results from out_dir/rank{r}.pt."""
     import torch.distributed as dist
     import torch.multiprocessing as mp
     # Port 0: the store binds a free port itself; the ranks join it as its clients.
     store = dist.TCPStore("127.0.0.1", 0, TP + 1, is_master=True, timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S),
                           wait_for_workers=False)
-    context = mp.start_processes(_rank_main, args=(store.port, checkpoints, str(out_dir)), nprocs=TP,
+    context = mp.start_processes(rank_main, args=(store.port, checkpoints, str(out_dir)), nprocs=TP,
                                  join=False, start_method="spawn")
     deadline = time.monotonic() + RANK_TIMEOUT_S
     try:
@@ -435,7 +438,7 @@ def tp_results(tmp_path_factory):
     previous = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"   # two ranks on a shared 2-core machine
     try:
-        ranks = _spawn_ranks(checkpoints, root)
+        ranks = _spawn_ranks(_rank_main, checkpoints, root)
     finally:
         if previous is None:
             os.environ.pop("OMP_NUM_THREADS")
@@ -472,3 +475,48 @@ def test_dummy_weights_load_per_shard(tp_results):
         a, b = ranks[0]["dummy"][step], ranks[1]["dummy"][step]
         assert a.shape[-1] == vocab and bool(torch.isfinite(a).all())
         assert torch.allclose(a, b, atol=1e-6), step
+
+
+# ---- the same on two GPUs (NCCL, the Triton backend, the real fused and small-batch kernels) ------
+
+def _gpu_rank_main(rank: int, store_port: int, checkpoints: dict[str, str], out_dir: str) -> None:
+    import torch.distributed as dist
+    from models import build_model, load_hf_config, model_spec
+    torch.cuda.set_device(rank)
+    os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
+    timeout = datetime.timedelta(seconds=RANK_TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", store_port, TP + 1, is_master=False, timeout=timeout)
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=TP, timeout=timeout,
+                            device_id=torch.device("cuda", rank))
+    try:
+        set_tensor_parallel_group(rank, TP, dist.group.WORLD)
+        results = {}
+        for name, path in checkpoints.items():
+            model = build_model(model_spec(load_hf_config(path)), path, device=torch.device("cuda", rank),
+                                dtype=torch.float32)
+            results[name] = _run_steps(model, True, f"cuda:{rank}")
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tp2_logits_equal_tp1_on_two_gpus(tmp_path):
+    """fp32 on GPUs: every architecture at TP=2 (NCCL) against TP=1 on one GPU, through the Triton
+    attention backend (the layer writes the KV cache of its own heads) and, for the one-row decode,
+    the small-batch kernels on each rank's shard with their all-reduce."""
+    from models import build_model, load_hf_config, model_spec
+    checkpoints, expected = {}, {}
+    for name, (family, overrides) in CASES.items():
+        path, _ = make_tiny_checkpoint(tmp_path / name, family, with_tokenizer=False, **overrides)
+        checkpoints[name] = str(path)
+        model = build_model(model_spec(load_hf_config(path)), path, device=torch.device("cuda", 0),
+                            dtype=torch.float32)
+        expected[name] = _run_steps(model, True, "cuda:0")
+    for rank, got in enumerate(_spawn_ranks(_gpu_rank_main, checkpoints, tmp_path)):
+        for name in CASES:
+            for step, want in expected[name].items():
+                error = (got[name][step] - want).abs().max().item()
+                # TF32 is off by default for fp32 matmuls; the GEMV and cuBLAS sum in other orders.
+                assert error <= 1e-4 * max(1.0, want.abs().max().item()), (name, rank, step, error)
