@@ -20,8 +20,10 @@ import torch
 from torch import nn
 
 from models.hf_config import ModelSpec
-from models.layers import Linear, RMSNorm, ScaledEmbedding, soft_cap
+from models.layers import RMSNorm, soft_cap
+from models.parallel_state import shard_heads, tensor_parallel_group
 from models.rotary import RotaryEmbedding
+from models.vocab_parallel import lm_head_linear, vocab_embedding
 
 
 @dataclass
@@ -66,7 +68,7 @@ class DecoderModel(nn.Module):
         self.is_last = layer_range.stop == spec.num_layers
         if self.is_first:
             scale = spec.hidden_size ** 0.5 if self.embedding_scaled else None
-            self.embed_tokens = ScaledEmbedding(spec.vocab_size, spec.hidden_size, scale)
+            self.embed_tokens = vocab_embedding(spec.vocab_size, spec.hidden_size, scale)
         rotaries = self.make_rotaries(spec, max_positions)
         self._rotaries = list(rotaries.values())
         # Keyed by the global layer index so parameter names match the checkpoint's.
@@ -113,7 +115,10 @@ LLAMA_PACKED_MODULES = {
 class CausalLM(nn.Module):
     """`forward(input_ids [T], positions [T], intermediate=None)` -> hidden [T, H] on the last
     pipeline rank, IntermediateTensors elsewhere; `compute_logits(hidden [N, H])` -> [N, V] fp32
-    (model dtype on request)."""
+    (model dtype on request), the whole vocabulary on every tensor-parallel rank.
+
+    Under tensor parallelism (models/parallel_state.py, set before the model is built) every
+    layer holds its rank's share; `num_local_heads` / `num_local_kv_heads` say how many heads."""
 
     model_class: ClassVar[type[DecoderModel]]
     packed_modules: ClassVar[dict[str, tuple[str, object]]] = LLAMA_PACKED_MODULES
@@ -123,12 +128,20 @@ class CausalLM(nn.Module):
     def __init__(self, spec: ModelSpec, layer_range: range | None = None, max_positions: int | None = None):
         super().__init__()
         self.spec = spec
+        group = tensor_parallel_group()
+        heads = shard_heads(spec.num_heads, spec.num_kv_heads, group.size, group.rank)
+        self.num_local_heads = heads.num_heads
+        """Attention q heads this tensor-parallel rank holds (spec.num_heads on a single rank)."""
+        self.num_local_kv_heads = heads.num_kv_heads
+        """KV heads this rank holds and caches: its KV cache is [2, blocks, block_size,
+        num_local_kv_heads, head_dim] (spec.num_kv_heads on a single rank; 1 where there are fewer
+        KV heads than ranks, each replicated on size / num_kv_heads ranks)."""
         self.layer_range = layer_range if layer_range is not None else range(spec.num_layers)
         self.model = self.model_class(spec, self.layer_range, max_positions or spec.max_position_embeddings)
         self.final_logit_softcapping = getattr(spec.hf_config, "final_logit_softcapping", None)
         """Gemma 2: logits = cap * tanh(logits / cap). None: the LM head's output as it is."""
         if self.model.is_last:
-            self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            self.lm_head = lm_head_linear(spec.hidden_size, spec.vocab_size)
             if spec.tie_word_embeddings and self.model.is_first:
                 self.lm_head.weight = self.model.embed_tokens.weight
 

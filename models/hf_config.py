@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from models.parallel_state import shard_heads, shard_size
 from models.registry import family_flags
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,14 @@ def model_spec(config: PretrainedConfig) -> ModelSpec:
         checkpoint_dtype=_checkpoint_dtype(config),
         eos_token_ids=_eos_ids(config),
     )
+
+
+def check_tensor_parallel_size(spec: ModelSpec, tensor_parallel_size: int) -> None:
+    """Raise a ValueError naming the config field (num_attention_heads, num_key_value_heads,
+    intermediate_size) that `tensor_parallel_size` does not divide: the check the model's layers
+    make when they are built, early (at engine configuration, before any process starts)."""
+    shard_heads(spec.num_heads, spec.num_kv_heads, tensor_parallel_size, 0)
+    shard_size(spec.intermediate_size, tensor_parallel_size, "intermediate_size")
 
 
 def resolve_max_model_len(spec: ModelSpec, requested: int | None) -> int:

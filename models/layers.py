@@ -14,9 +14,15 @@ On a CPU the reference paths are what runs, so they keep HF's rounding points (t
 greedy parity) with as few passes and temporaries as that allows, and fp32 linears of small
 batches (decode) use an MKL-packed copy of the weight (`Linear`).
 
-Why one file of ~480 lines: each block's weight loader, torch reference and kernel dispatch are
-read together (a new family builds from these and nothing else), and the blocks share the
-dispatch helpers; RoPE, the one block with tables of its own, is models/rotary.py."""
+Under tensor parallelism (models/parallel_state.py) the packed projections are column-parallel
+(`PackedLinear`: each rank keeps and reads its rows of every part) and the projections back to the
+hidden size row-parallel (`RowParallelLinear`: one all-reduce); the vocabulary-parallel embedding
+and LM head are models/vocab_parallel.py. A single rank builds exactly the modules it always did.
+
+Why one file of ~600 lines: each block's weight loader, torch reference and kernel dispatch are
+read together (a new family builds from these and nothing else), the blocks share the dispatch
+helpers, and the linears' tensor-parallel forms extend `Linear`'s loader and fast paths, which
+`GatedMLP` builds from; RoPE, the one block with tables of its own, is models/rotary.py."""
 
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from torch import nn
 
 from configs.kernel_config import active_kernel_config
 from models import cpu_kernels
+from models.parallel_state import shard_heads, shard_size, tensor_parallel_all_reduce, tensor_parallel_group
 
 
 def _fused_kernels():
@@ -188,8 +195,9 @@ class Linear(nn.Linear):
 
     `weight_loader(param, loaded, shard_id)` places a checkpoint tensor into one of its
     parameters (models/loader.py calls it for every tensor): a plain Linear takes tensors as
-    stored; the packed subclasses below also take one shard at a time. A tensor-parallel layer
-    would narrow `loaded` to its rank's rows or columns here, and nowhere else."""
+    stored; the packed subclasses below also take one shard at a time, and under tensor
+    parallelism read only their rank's rows (`PackedLinear`); `RowParallelLinear` reads its
+    columns; the vocabulary-parallel embedding and head are models/vocab_parallel.py."""
 
     shard_ids: tuple = ()
     """The shard ids a packed layer is loaded from, one checkpoint tensor each (empty: unpacked)."""
@@ -199,6 +207,11 @@ class Linear(nn.Linear):
             _copy_checked(param.data, loaded)
             return
         _copy_checked(self.shard_view(param, shard_id), loaded)
+
+    def checkpoint_shape(self, param: nn.Parameter, shard_id) -> tuple[int, ...]:
+        """The shape of the checkpoint tensor that fills `param` (or its shard `shard_id`), for
+        messages: what a tensor-parallel rank keeps is smaller than what it reads from."""
+        return tuple(self.shard_view(param, shard_id).shape)
 
     def shard_view(self, param: nn.Parameter, shard_id) -> torch.Tensor:
         """The rows of `param` (weight or bias) that shard `shard_id` fills; the whole of it for None."""
@@ -211,46 +224,146 @@ class Linear(nn.Linear):
         raise WeightLoadError(f"{type(self).__name__} is not packed, yet shard {shard_id!r} was given")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x, self.bias)
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight.T + bias by the fastest path for x's shape (a row-parallel layer passes bias
+        None and adds its bias after the all-reduce)."""
         kernels = small_batch(x) if x.dim() == 2 else None
         if kernels is not None:   # one row: the one-row GEMV streams the weight faster than cuBLAS
-            return kernels.linear(x, self.weight, self.bias)
+            return kernels.linear(x, self.weight, bias)
         rows = x.shape[0] if x.dim() == 2 else (x.numel() // x.shape[-1] if x.numel() else 0)
         if (x.is_cuda or not 0 < rows <= PACKED_MAX_ROWS or x.dtype != torch.float32
                 or self.weight.dtype != torch.float32 or not _packing_enabled()):
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.weight, bias)
         pack = _weight_pack(self.weight)
         if pack is None:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkl._mkl_linear(x, pack, self.weight, self.bias, rows)
+            return F.linear(x, self.weight, bias)
+        return torch.ops.mkl._mkl_linear(x, pack, self.weight, bias, rows)
 
 
-class QKVLinear(Linear):
+class PackedLinear(Linear):
+    """Several projections of one input stacked along the output rows, each loaded from its own
+    checkpoint tensor (a shard id) or all from one stored fused tensor (shard id None), and
+    column-parallel: under tensor parallelism each rank keeps a contiguous row block of every part
+    and reads only that block (`loaded[start:stop]` of a safetensors slice). Subclasses fill
+    `parts`: shard id -> (rows kept here, first kept row in the part's checkpoint tensor, the
+    part's rows in the checkpoint); the kept rows are stacked in shard_ids order."""
+
+    parts: dict
+
+    def __init__(self, in_features: int, parts: dict, bias: bool) -> None:
+        super().__init__(in_features, sum(kept for kept, _, _ in parts.values()), bias=bias)
+        self.parts, self.shard_ids = parts, tuple(parts)
+        self.sharded = any(kept != rows for kept, _, rows in parts.values())
+        """Whether this rank keeps only part of the checkpoint's rows (tensor_parallel_size > 1)."""
+
+    def shard_rows(self, shard_id) -> tuple[int, int]:
+        start = 0
+        for shard in self.shard_ids:
+            if shard == shard_id:
+                return start, self.parts[shard][0]
+            start += self.parts[shard][0]
+        raise WeightLoadError(f"{type(self).__name__} has no shard {shard_id!r}; its shards: {self.shard_ids}")
+
+    def checkpoint_shape(self, param: nn.Parameter, shard_id) -> tuple[int, ...]:
+        shards = self.shard_ids if shard_id is None else (shard_id,)
+        return (sum(self.parts[s][2] for s in shards), *param.shape[1:])
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        if not self.sharded:   # the whole checkpoint tensor is ours
+            super().weight_loader(param, loaded, shard_id)
+            return
+        expected = self.checkpoint_shape(param, shard_id)
+        if loaded_shape(loaded) != expected:
+            raise WeightLoadError(f"expected {expected}, found {loaded_shape(loaded)}")
+        offset = 0   # where a part starts in a fused tensor
+        for shard in (self.shard_ids if shard_id is None else (shard_id,)):
+            kept, first, rows = self.parts[shard]
+            source = offset + first
+            self.shard_view(param, shard).copy_(loaded[source:source + kept])
+            offset += rows
+
+
+class QKVLinear(PackedLinear):
     """q, k and v projections packed in one weight [(Hq + 2 Hkv) D, hidden]: one matmul. Loaded
-    from q_proj / k_proj / v_proj (shard ids "q", "k", "v") or from a stored fused qkv_proj."""
-
-    shard_ids = ("q", "k", "v")
+    from q_proj / k_proj / v_proj (shard ids "q", "k", "v") or from a stored fused qkv_proj.
+    `num_heads` / `num_kv_heads` are the checkpoint's; this rank keeps `heads` of them
+    (models/parallel_state.shard_heads: its q heads and the KV heads they attend to)."""
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool) -> None:
-        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        super().__init__(hidden, q_size + 2 * kv_size, bias=bias)
+        group = tensor_parallel_group()
+        self.heads = shard_heads(num_heads, num_kv_heads, group.size, group.rank)
+        q_size, kv_size = self.heads.num_heads * head_dim, self.heads.num_kv_heads * head_dim
+        kv_part = (kv_size, self.heads.kv_head_start * head_dim, num_kv_heads * head_dim)
+        super().__init__(hidden, {"q": (q_size, self.heads.q_head_start * head_dim, num_heads * head_dim),
+                                  "k": kv_part, "v": kv_part}, bias)
         self.q_size, self.kv_size = q_size, kv_size
 
-    def shard_rows(self, shard_id) -> tuple[int, int]:
-        q, kv = self.q_size, self.kv_size
-        return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
 
-
-class MergedLinear(Linear):
+class MergedLinear(PackedLinear):
     """Several projections of one input stacked along the output rows (gate and up: shard ids 0
-    and 1, from gate_proj / up_proj, or from a stored fused gate_up_proj)."""
+    and 1, from gate_proj / up_proj, or from a stored fused gate_up_proj). `out_sizes` are the
+    checkpoint's; under tensor parallelism each rank keeps 1/size of each (`field` names the
+    config value in the error when one does not divide)."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool) -> None:
-        super().__init__(in_features, sum(out_sizes), bias=bias)
-        self.out_sizes = tuple(out_sizes)
-        self.shard_ids = tuple(range(len(out_sizes)))
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, field: str = "out_features") -> None:
+        group = tensor_parallel_group()
+        kept = [shard_size(size, group.size, field) for size in out_sizes]
+        super().__init__(in_features, {i: (k, group.rank * k, size) for i, (k, size) in
+                                       enumerate(zip(kept, out_sizes))}, bias)
+        self.out_sizes = tuple(kept)
 
-    def shard_rows(self, shard_id) -> tuple[int, int]:
-        return sum(self.out_sizes[:shard_id]), self.out_sizes[shard_id]
+
+class RowParallelLinear(Linear):
+    """A projection back to the hidden size (attention's o_proj, the MLP's down_proj) whose INPUT
+    features are split across the tensor-parallel ranks: each rank multiplies its block of the
+    features (the heads / MLP columns it holds) by its column block of the weight, one all-reduce
+    adds the partial sums, and the bias (replicated, read whole) is added once, after it. Built
+    only when tensor_parallel_size > 1 (`row_parallel_linear`): a single rank keeps a plain Linear,
+    with no collective and no extra pass."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, field: str = "in_features") -> None:
+        group = tensor_parallel_group()
+        super().__init__(shard_size(in_features, group.size, field), out_features, bias=bias)
+        self.tp_rank, self.full_in_features = group.rank, in_features
+
+    def checkpoint_shape(self, param: nn.Parameter, shard_id) -> tuple[int, ...]:
+        return (param.shape[0], self.full_in_features) if param.dim() == 2 else tuple(param.shape)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        if shard_id is not None or param.dim() == 1:   # the bias: replicated, read whole
+            super().weight_loader(param, loaded, shard_id)
+            return
+        expected = self.checkpoint_shape(param, None)
+        if loaded_shape(loaded) != expected:
+            raise WeightLoadError(f"expected {expected}, found {loaded_shape(loaded)}")
+        start = self.tp_rank * self.in_features
+        param.data.copy_(loaded[:, start:start + self.in_features])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduce(self.product(x, None))
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product -> the full one: all-reduce, then the bias once."""
+        out = tensor_parallel_all_reduce(partial)
+        return out if self.bias is None else out.add_(self.bias)
+
+
+def row_parallel_linear(in_features: int, out_features: int, bias: bool, field: str) -> Linear:
+    """A Linear whose input features are split over the tensor-parallel ranks: RowParallelLinear
+    under tensor parallelism, a plain Linear (today's module, no collective) on a single rank."""
+    if tensor_parallel_group().size == 1:
+        return Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, field)
+
+
+def linear_by(kernel_linear, x: torch.Tensor, layer: Linear) -> torch.Tensor:
+    """`kernel_linear(x, weight, bias)` (a fused path's own GEMV, e.g. small_batch_kernels.linear)
+    with `layer`'s parameters; a RowParallelLinear's all-reduce and bias follow it."""
+    if isinstance(layer, RowParallelLinear):
+        return layer.reduce(kernel_linear(x, layer.weight, None))
+    return kernel_linear(x, layer.weight, layer.bias)
 
 
 SCREEN_MIN_ROWS = 16
@@ -304,6 +417,8 @@ def screened_argmax(hidden: torch.Tensor, head: nn.Linear) -> torch.Tensor | Non
     rows (bit-identical to the whole product's from SCREEN_MIN_ROWS rows on), and the first maximum
     among them, in vocabulary order, is the full argmax."""
     weight = head.weight
+    if tensor_parallel_group().size > 1:   # each rank holds one vocabulary block: the gathered logits decide
+        return None
     if (hidden.is_cuda or hidden.dtype != torch.float32 or weight.dtype != torch.float32 or head.bias is not None
             or hidden.dim() != 2 or hidden.shape[0] < SCREEN_MIN_ROWS or not _screening_enabled()):
         return None
@@ -439,14 +554,16 @@ def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up packed in one matmul; act is SiLU (`silu`) or
-    GELU with the tanh approximation (`gelu_tanh`, Gemma's gelu_pytorch_tanh)."""
+    GELU with the tanh approximation (`gelu_tanh`, Gemma's gelu_pytorch_tanh). Under tensor
+    parallelism gate/up are column-parallel (each rank its block of the intermediate columns) and
+    down is row-parallel: one all-reduce per MLP."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool, activation: str = "silu") -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {activation!r}; supported: {', '.join(sorted(ACTIVATIONS))}")
-        self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias=bias, field="intermediate_size")
+        self.down_proj = row_parallel_linear(intermediate, hidden, bias, "intermediate_size")
         self.activation = activation
         self.activate = ACTIVATIONS[activation]
 

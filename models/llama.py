@@ -13,7 +13,7 @@ from torch import nn
 from attention.layer import Attention
 from models.causal_lm import CausalLM, DecoderModel, IntermediateTensors, add_norm, layer_sliding_window
 from models.hf_config import ModelSpec
-from models.layers import GatedMLP, Linear, QKVLinear, RMSNorm, activation_name, small_batch
+from models.layers import GatedMLP, QKVLinear, RMSNorm, activation_name, linear_by, row_parallel_linear, small_batch
 from models.rotary import RotaryEmbedding
 
 __all__ = ["DecoderLayer", "IntermediateTensors", "LlamaForCausalLM", "LlamaModel", "SelfAttention"]
@@ -24,11 +24,13 @@ class SelfAttention(nn.Module):
                  norm_class: type[RMSNorm] = RMSNorm, scale: float | None = None,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVLinear(spec.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, spec.qkv_bias)
-        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.o_proj_bias)
+        self.head_dim = spec.head_dim
+        # Column-parallel q/k/v: this tensor-parallel rank's heads only (all of them on one rank).
+        self.qkv_proj = QKVLinear(spec.hidden_size, spec.num_heads, spec.num_kv_heads, self.head_dim, spec.qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.heads.num_heads, self.qkv_proj.heads.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = row_parallel_linear(spec.num_heads * self.head_dim, spec.hidden_size, spec.o_proj_bias,
+                                          "num_attention_heads * head_dim")
         if spec.qk_norm:
             self.q_norm = norm_class(self.head_dim, spec.rms_norm_eps)
             self.k_norm = norm_class(self.head_dim, spec.rms_norm_eps)
@@ -86,7 +88,9 @@ class DecoderLayer(nn.Module):
         the KV cache itself (`SelfAttention.cache_written_here`: one row, no qk_norm, full rotary, a
         cache-writing backend), RoPE and the KV write are fused into the qkv kernel too
         (`norm_qkv_rope_cache`) and only the attention op runs after it. Same contract: (hidden,
-        residual) in and out, residual None on the first layer."""
+        residual) in and out, residual None on the first layer. Under tensor parallelism every
+        kernel here works on this rank's shard (its heads, its MLP columns: the weights it holds),
+        and o_proj / down_proj are each followed by their all-reduce (`linear_by`)."""
         attn, mlp = self.self_attn, self.mlp
         norm, proj = self.input_layernorm, attn.qkv_proj
         cache = attn.cache_written_here(hidden)
@@ -98,10 +102,10 @@ class DecoderLayer(nn.Module):
         else:
             qkv, residual = kernels.norm_linear(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias)
             hidden = attn.attend(positions, qkv)
-        hidden = kernels.linear(hidden, attn.o_proj.weight, attn.o_proj.bias)
+        hidden = linear_by(kernels.linear, hidden, attn.o_proj)   # + the all-reduce under TP
         norm, proj = self.post_attention_layernorm, mlp.gate_up_proj
         act, residual = kernels.norm_gate_up_silu(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias)
-        return kernels.linear(act, mlp.down_proj.weight, mlp.down_proj.bias), residual
+        return linear_by(kernels.linear, act, mlp.down_proj), residual
 
 
 class LlamaModel(DecoderModel):

@@ -1,7 +1,8 @@
 """Checkpoint -> module: safetensors straight into the parameters, or random `dummy` weights.
 
 Tensors are read one at a time from memory-mapped safetensors files: each, as a safetensors slice
-that the receiving loader reads (all of it here; a tensor-parallel rank would read its part), goes to the
+that the receiving loader reads (all of it, or a tensor-parallel rank's rows or columns only:
+`loaded[start:stop]`, never the whole tensor, so a rank's host memory stays near its shard), goes to the
 `weight_loader(param, loaded_tensor, shard_id)` of the module that owns its parameter (the vLLM /
 nano-vllm pattern): the layer knows its own layout, so packed q/k/v (shard ids "q", "k", "v"),
 packed gate/up (0, 1) and tensors stored already fused (Phi-3's qkv_proj and gate_up_proj, shard id
@@ -157,15 +158,22 @@ def destination(model: CausalLM, param_name: str, shard) -> torch.Tensor:
     return owner.shard_view(param, shard)
 
 
+def checkpoint_shape(model: CausalLM, param_name: str, shard) -> tuple[int, ...]:
+    """The shape of the checkpoint tensor that fills (param_name, shard), for messages: larger than
+    `destination` where a tensor-parallel rank keeps only its slice of it."""
+    owner = _owner(model, param_name)
+    if hasattr(owner, "checkpoint_shape"):
+        return owner.checkpoint_shape(model.get_parameter(param_name), None if shard == "tied" else shard)
+    return tuple(destination(model, param_name, shard).shape)
+
+
 def _load_one(model: CausalLM, params: dict, param_name: str, shard, tensor) -> None:
     """Hand one checkpoint tensor (a safetensors slice, read by the loader that takes it) to the
-    weight_loader of the module that owns the parameter."""
+    weight_loader of the module that owns the parameter (a tied head of a rank without the
+    embedding: the head's own loader, given the embedding's tensor)."""
     param = params[param_name]
-    if shard == "tied":   # the head of a rank without the embedding, loaded from the embedding
-        default_weight_loader(param, tensor)
-        return
     loader = getattr(_owner(model, param_name), "weight_loader", None) or default_weight_loader
-    loader(param, tensor, shard)
+    loader(param, tensor, None if shard == "tied" else shard)
 
 
 @torch.no_grad()
@@ -194,7 +202,7 @@ def load_safetensors(model: CausalLM, folder: Path, check_finite: bool = True) -
                                           f"in {model.spec.architecture}")
                 if name not in present:
                     raise WeightLoadError(f"missing tensor {name!r} (expected shape "
-                                          f"{tuple(destination(model, param_name, shard).shape)}, found none): "
+                                          f"{checkpoint_shape(model, param_name, shard)}, found none): "
                                           f"the index names {file.name}, which lacks it")
                 try:
                     _load_one(model, params, param_name, shard, handle.get_slice(name))
@@ -204,7 +212,7 @@ def load_safetensors(model: CausalLM, folder: Path, check_finite: bool = True) -
                     finite.add(name, file, destination(model, param_name, shard))
                 loaded.add((param_name, shard))
     # A packed parameter stored whole (shard id None) covers its shards too.
-    missing = sorted((_checkpoint_name(model, p, s), tuple(destination(model, p, s).shape))
+    missing = sorted((_checkpoint_name(model, p, s), checkpoint_shape(model, p, s))
                      for p, s in expected - loaded if (p, None) not in loaded)
     if missing:
         searched = ", ".join(sorted({f.name for f in files.values()}))

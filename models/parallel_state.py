@@ -67,3 +67,68 @@ def tensor_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_GROUP.size)]
     dist.all_gather(parts, x, group=_GROUP.group)
     return torch.cat(parts, dim=dim)
+
+
+# ---- how one rank's share of a layer is cut (pure arithmetic: no processes needed) -------------
+
+@dataclass(frozen=True)
+class HeadShard:
+    """One rank's attention heads: q heads [q_head_start, q_head_start + num_heads) and KV heads
+    [kv_head_start, kv_head_start + num_kv_heads) of the checkpoint's."""
+    num_heads: int
+    num_kv_heads: int
+    q_head_start: int
+    kv_head_start: int
+
+
+def shard_heads(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -> HeadShard:
+    """Split q heads evenly across the ranks (contiguous blocks) and KV heads with them; with fewer KV
+    heads than ranks each rank holds ONE KV head, the one its q heads attend to (rank r: KV head
+    r * num_kv_heads // tp_size, as vLLM replicates them). Raises a ValueError naming the config
+    field when the counts do not divide."""
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tensor-parallel rank {tp_rank} is outside 0..{tp_size - 1}")
+    if num_heads % tp_size:
+        raise ValueError(f"num_attention_heads={num_heads} is not divisible by tensor_parallel_size={tp_size}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_attention_heads={num_heads} is not divisible by num_key_value_heads={num_kv_heads}")
+    local_heads = num_heads // tp_size
+    if num_kv_heads >= tp_size:
+        if num_kv_heads % tp_size:
+            raise ValueError(f"num_key_value_heads={num_kv_heads} is not divisible by "
+                             f"tensor_parallel_size={tp_size}")
+        local_kv = num_kv_heads // tp_size
+        return HeadShard(local_heads, local_kv, tp_rank * local_heads, tp_rank * local_kv)
+    if tp_size % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size={tp_size} is not a multiple of num_key_value_heads={num_kv_heads} "
+                         f"(with fewer KV heads than ranks each KV head is replicated on an equal number of ranks)")
+    return HeadShard(local_heads, 1, tp_rank * local_heads, tp_rank * num_kv_heads // tp_size)
+
+
+def shard_size(total: int, tp_size: int, field: str) -> int:
+    """`total // tp_size`, each rank's part of a dimension split evenly (MLP columns); a ValueError
+    naming `field` when it does not divide."""
+    if total % tp_size:
+        raise ValueError(f"{field}={total} is not divisible by tensor_parallel_size={tp_size}")
+    return total // tp_size
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    """The vocabulary rounded up to a multiple of tp_size: every rank owns an equal row block, the
+    rows past `vocab_size` being zero padding (their logits are cut off after the gather)."""
+    return -(-vocab_size // tp_size) * tp_size
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """One rank's block of the padded vocabulary: ids [start, start + num_rows); of those, the first
+    `num_real_rows` exist in the checkpoint (the rest are padding, zero)."""
+    start: int
+    num_rows: int
+    num_real_rows: int
+
+
+def shard_vocab(vocab_size: int, tp_size: int, tp_rank: int) -> VocabShard:
+    rows = padded_vocab_size(vocab_size, tp_size) // tp_size
+    start = tp_rank * rows
+    return VocabShard(start, rows, max(0, min(rows, vocab_size - start)))

@@ -157,7 +157,8 @@ class ModelRunner(GraphStartUp):
         return IntermediateTensors(buffers.hidden_states[:num_tokens], buffers.residual[:num_tokens])
 
     def kv_cache_bytes_per_block(self) -> int:
-        per_layer = 2 * self.block_size * self.spec.num_kv_heads * self.spec.head_dim * self.dtype.itemsize
+        # This tensor-parallel rank's KV heads only (spec.num_kv_heads on a single rank).
+        per_layer = 2 * self.block_size * self.model.num_local_kv_heads * self.spec.head_dim * self.dtype.itemsize
         return per_layer * len(self.layer_range)
 
     @torch.inference_mode()
@@ -192,7 +193,7 @@ class ModelRunner(GraphStartUp):
                                                    len(lens), slots_enabled=False)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        shape = (2, num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        shape = (2, num_blocks, self.block_size, self.model.num_local_kv_heads, self.spec.head_dim)
         # Zeros, not empty: inert padded rows of a graph may read block 0 and must see finite values.
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layer_range]
         self.num_blocks = num_blocks
