@@ -260,6 +260,10 @@ def test_c_decode_attention_declines_what_it_does_not_cover():
     assert not c_attention.decode_attention(b.query.transpose(0, 1).contiguous().transpose(0, 1), key, value,
                                             *args, out)                        # heads not contiguous in a row
     assert not c_attention.decode_attention(b.query, key, value, b.kv_cache, b.block_table.long(), *args[2:], out)
+    narrow = _decode_batch([5], num_q_heads=2, num_kv_heads=1, head_dim=20, block_size=4, seed=5)[0]
+    assert not c_attention.decode_attention(narrow.query, narrow.query[:, :1], narrow.query[:, :1], narrow.kv_cache,
+                                            narrow.block_table, narrow.seq_lens, narrow.slot_mapping, 1.0,
+                                            torch.empty_like(narrow.query))       # head_dim 20: not 8 lanes
 
 
 def _backend_decode(b, key, value, native: bool, monkeypatch, layer_key=None):

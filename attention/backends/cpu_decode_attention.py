@@ -7,8 +7,9 @@ parallel on torch's own OpenMP threads (the library links libgomp, which resolve
 loaded). Not bit for bit SDPA (its sums run in another order, as SDPA's do against HF's eager
 attention): within 2e-6 of a float64 reference in tests/test_cpu_kernels.py, and token for token HF in
 tests/test_smollm2.py. Two implementations of one algorithm: AVX-512 intrinsics (head dims that are
-multiples of 16, with torch's AVX-512 vector exp) and portable C the compiler vectorises for the
-build's instruction set (avx2, neon, generic; KernelConfig.cpu_isa caps it). Off with
+multiples of 16, with torch's AVX-512 vector exp) and portable C on 8-float vectors (GCC/clang vector
+extensions) that the compiler maps to the build's instruction set (avx2, neon, generic; KernelConfig.cpu_isa
+caps it). Head dims that are not a multiple of 8 take the torch path. Off with
 KernelConfig.cpu_kernels=False, and wherever the compiler or the build is missing: the torch path then runs.
 """
 
@@ -21,22 +22,26 @@ import torch
 from launch import native_build
 
 _SOURCE = r"""
-/* dot(a, b) over n floats in 8 lanes (summed pairwise at the end): the compiler vectorises it. */
-static inline float gr_dot(const float* a, const float* b, int n) {
-    float lanes[8] = {0};
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) lanes[j] = GR_FMA(a[i + j], b[i + j], lanes[j]);
-    for (int j = 0; i < n; i++, j++) lanes[j] = GR_FMA(a[i], b[i], lanes[j]);
-    return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+/* 8 floats in one vector (GCC/clang vector extensions): the compiler maps it to the target's registers
+   (one AVX2 register, two SSE or NEON ones, scalars without SIMD). Products and sums rounded apart. */
+typedef float gr_f8 __attribute__((vector_size(32)));
+
+static inline gr_f8 gr_load8(const float* p) {
+    gr_f8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
 }
 
-/* The portable twin of gr_attend below (any head dim): the same online softmax over 16 positions at a
-   time, in loops the compiler vectorises for the target (avx2, neon, generic builds; AVX-512 builds
-   where torch's vector exp is not handed in or dim is not a multiple of 16). Accumulates in out. */
-static void gr_attend_portable(const float* q, const float* kc, const float* vc, const int32_t* table, int len,
-                               int block_size, int hkv, int group, int dim, float scale, float* out) {
-    const int heads = hkv * group;
+static inline float gr_sum8(gr_f8 v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
+
+/* The portable twin of gr_attend below (head dims that are multiples of 8): the same online softmax over
+   16 positions at a time, on 8-float vectors (avx2, neon, generic builds; AVX-512 builds where torch's
+   vector exp is not handed in). `chunks` = dim / 8 is a constant in each inlined copy (gr_attend_one),
+   so a head's query and accumulator stay in registers. */
+static inline __attribute__((always_inline)) void gr_attend_portable(
+        const float* q, const float* kc, const float* vc, const int32_t* table, int len, int block_size, int hkv,
+        int group, const int chunks, float scale, float* out) {
+    const int dim = 8 * chunks, heads = hkv * group;
     const size_t head_sz = (size_t)hkv * dim;
     float m[heads], l[heads], s[16], p[16];
     for (int i = 0; i < heads; i++) {
@@ -56,24 +61,29 @@ static void gr_attend_portable(const float* q, const float* kc, const float* vc,
         }
         for (int hq = 0; hq < heads; hq++) {
             const size_t off = (size_t)(hq / group) * dim;
-            const float* qh = q + (size_t)hq * dim;
+            gr_f8 qv[chunks], a[chunks];
+            for (int c = 0; c < chunks; c++) qv[c] = gr_load8(q + (size_t)hq * dim + 8 * c);
             float top = m[hq];
             for (int t = 0; t < 16; t++) {
-                s[t] = t < n ? gr_dot(qh, krow[t] + off, dim) * scale : -INFINITY;
+                s[t] = -INFINITY;
+                if (t < n) {
+                    gr_f8 sum = qv[0] * gr_load8(krow[t] + off);
+                    for (int c = 1; c < chunks; c++) sum += qv[c] * gr_load8(krow[t] + off + 8 * c);
+                    s[t] = gr_sum8(sum) * scale;
+                }
                 top = s[t] > top ? s[t] : top;
             }
-            float sum = 0.f;
+            float total = 0.f;
             for (int t = 0; t < 16; t++) p[t] = gr_exp(s[t] - top);
-            for (int t = 0; t < 16; t++) sum += p[t];
+            for (int t = 0; t < 16; t++) total += p[t];
             float corr = m[hq] == -INFINITY ? 0.f : gr_exp(m[hq] - top);
             m[hq] = top;
-            l[hq] = l[hq] * corr + sum;
-            float* a = out + (size_t)hq * dim;
-            for (int d = 0; d < dim; d++) a[d] *= corr;
-            for (int t = 0; t < n; t++) {
-                const float w = p[t], *vr = vrow[t] + off;
-                for (int d = 0; d < dim; d++) a[d] = GR_FMA(w, vr[d], a[d]);
-            }
+            l[hq] = l[hq] * corr + total;
+            float* acc = out + (size_t)hq * dim;
+            for (int c = 0; c < chunks; c++) a[c] = gr_load8(acc + 8 * c) * corr;
+            for (int t = 0; t < n; t++)
+                for (int c = 0; c < chunks; c++) a[c] += p[t] * gr_load8(vrow[t] + off + 8 * c);
+            memcpy(acc, a, sizeof a);
         }
     }
     for (int hq = 0; hq < heads; hq++) {
@@ -183,7 +193,11 @@ static void gr_attend_one(const float* q, const float* kc, const float* vc, cons
         }
     }
 #endif
-    gr_attend_portable(q, kc, vc, table, len, block_size, hkv, group, dim, scale, out);
+    switch (dim) {
+        case 64: gr_attend_portable(q, kc, vc, table, len, block_size, hkv, group, 8, scale, out); break;
+        case 128: gr_attend_portable(q, kc, vc, table, len, block_size, hkv, group, 16, scale, out); break;
+        default: gr_attend_portable(q, kc, vc, table, len, block_size, hkv, group, dim / 8, scale, out);
+    }
 }
 
 /* Decode attention of `rows` requests with one new token each, over the paged cache
@@ -256,11 +270,11 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     kv_cache [2, num_blocks, block_size, Hkv, D] at slots [R] (-1: skipped), then out [R, Hq, D] =
     attention of query [R, Hq, D] (one token per request, already rotated) over each request's
     seq_lens[r] cached positions through block_table [R, W] (int32). False where it does not apply
-    (not fp32 CPU, layout, see `native_attention`): nothing was done.
+    (not fp32 CPU, layout, head_dim not a multiple of 8, see `native_attention`): nothing was done.
     Out-of-range slots, lengths or block ids raise IndexError."""
     rows, heads, dim = query.shape if query.dim() == 3 else (0, 0, 0)
     kv_heads = kv_cache.shape[3] if kv_cache.dim() == 5 else 0
-    if not (rows > 0 and kv_heads and heads % kv_heads == 0
+    if not (rows > 0 and dim % 8 == 0 and kv_heads and heads % kv_heads == 0
             and _heads_rows(query, heads, dim) and _heads_rows(key, kv_heads, dim) and _heads_rows(value, kv_heads, dim)
             and key.shape[0] >= rows and value.shape[0] >= rows and out.is_contiguous() and out.shape == query.shape
             and out.dtype == torch.float32 and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
