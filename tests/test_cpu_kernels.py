@@ -392,3 +392,48 @@ def test_the_isa_cap_takes_the_best_the_cpu_runs_at_or_below_it(monkeypatch, cap
     with pytest.raises(ValueError, match="cpu_isa"):
         from configs import KernelConfig
         KernelConfig(cpu_isa="sse4")
+
+
+EXP_CHECK = r"""
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <immintrin.h>
+int main(int argc, char** argv) {
+    __m256 (*sleef)(__m256) = (__m256 (*)(__m256))dlsym(dlopen(argv[1], RTLD_NOW), "Sleef_expf8_u10");
+    uint64_t stride = strtoull(argv[2], 0, 10), checked = 0, differ = 0;
+    float in[8], mine[8], theirs[8];
+    for (uint64_t bits = 0; bits < (1ull << 32); bits += 8 * stride) {
+        for (int j = 0; j < 8; j++) {
+            uint32_t b = (uint32_t)(bits + j * stride);
+            memcpy(in + j, &b, 4);
+            mine[j] = gr_exp(in[j]);
+        }
+        _mm256_storeu_ps(theirs, sleef(_mm256_loadu_ps(in)));
+        for (int j = 0; j < 8; j++, checked++)
+            differ += memcmp(mine + j, theirs + j, 4) != 0 && !(mine[j] != mine[j] && theirs[j] != theirs[j]);
+    }
+    printf("%llu %llu\n", (unsigned long long)checked, (unsigned long long)differ);
+    return 0;
+}
+"""
+
+
+@needs_kernels
+@pytest.mark.skipif("avx2" not in native_build.host_isas(), reason="calls torch's AVX2 Sleef exp")
+def test_the_portable_exp_is_torchs_vector_exp_bit_for_bit(tmp_path):
+    """native_build's gr_exp built with fused multiply-add against libtorch's own Sleef_expf8_u10 (the
+    AVX2 twin of the AVX-512 exp torch's kernels call) on every 61st float bit pattern, specials
+    included (stride = 1 checks all 2^32: equal, ~1 minute on one core)."""
+    import os
+    import subprocess
+    stride = 61
+    source = tmp_path / "exp_check.c"
+    source.write_text(native_build.CPU_PREAMBLE + EXP_CHECK)
+    binary = tmp_path / "exp_check"
+    subprocess.run([native_build.compiler(), "-O2", *native_build.ISA_FLAGS["avx2"], "-ffp-contract=off",
+                    "-fno-math-errno", "-fno-trapping-math", str(source), "-o", str(binary), "-ldl"], check=True)
+    torch_cpu = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    checked, differ = map(int, subprocess.run([str(binary), torch_cpu, str(stride)], check=True, capture_output=True,
+                                              text=True).stdout.split())
+    assert checked > (1 << 32) // stride - 8 and differ == 0
