@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -57,6 +57,11 @@ class KernelConfig(BaseModel):
     cpu_kernels: bool = _field("GRAPHRUNNER_CPU_KERNELS", "cpu_kernels", True,
                                "CPU: the C kernels of decode steps (norm, RoPE, SiLU*mul, LM-head screen, decode "
                                "attention), built with the system C compiler [GRAPHRUNNER_CPU_KERNELS]")
+    cpu_isa: Literal["auto", "avx512", "avx2", "neon", "generic"] = _field(
+        "GRAPHRUNNER_CPU_ISA", "cpu_isa", "auto",
+        "CPU: the best instruction set the C kernels are built for; they take the best this CPU runs at or below "
+        "it (auto: no cap; generic: portable C for the architecture's baseline, always there) "
+        "[GRAPHRUNNER_CPU_ISA]", str)
     cpu_packed_linear: bool = _field("GRAPHRUNNER_CPU_PACKED_LINEAR", "cpu_packed_linear", True,
                                      "CPU: fp32 linears of small batches multiply an MKL-packed weight "
                                      "[GRAPHRUNNER_CPU_PACKED_LINEAR]")

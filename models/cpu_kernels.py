@@ -10,29 +10,24 @@ here replaces a chain of such ops with one pass over the rows:
   + eps)), in fp32; only the sum of squares adds in another order than torch's reduction (last-bit
   differences in the scale).
 - `rope`: the rotation of q and k (rotate-halves); bit for bit torch's and HF's products and sums.
-- `silu_mul`: silu(gate) * up, bit for bit torch's: the same Sleef exp (`Sleef_expf16_u10`, taken
-  from libtorch itself) on the same 32-element chunks, glibc's expf on the rest, as torch's
-  vectorised loop does; only where torch's CPU kernels are the AVX-512 ones.
+- `silu_mul`: silu(gate) * up, bit for bit torch's: an exp that rounds as torch's Sleef exp does
+  (native_build's `gr_exp`) on the chunks torch's vectorised loop takes, glibc's expf on the rest.
 - `screen_candidates`: the vocabulary passes of models/layers.screened_argmax over the bf16 logits.
 The decode attention's C kernel lives beside its torch twin (attention/backends/cpu_decode_attention.py).
 
-Built by launch/native_build.build_cpu_library (-ffp-contract=off: no fused multiply-add where torch's
-element-wise ops round every product). Off with KernelConfig.cpu_kernels=False, and wherever the compiler
-or the build is missing: the torch path then runs. The AVX-512 kernel (`silu_mul`) also needs torch's
-kernels to be its AVX-512 ones."""
+Built by launch/native_build.cpu_library for the instruction set in force (KernelConfig.cpu_isa caps
+it): AVX-512 intrinsics where the build has them (the screen), portable C the compiler vectorises for
+the target everywhere else (-ffp-contract=off: no fused multiply-add where torch's element-wise ops
+round every product). Off with KernelConfig.cpu_kernels=False, and wherever the compiler or the build
+is missing: the torch path then runs."""
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import logging
 
 import torch
 
-from configs.kernel_config import active_kernel_config
 from launch import native_build
-
-logger = logging.getLogger(__name__)
 
 MAX_ROWS = 64
 """Row counts up to this take the one-core kernels (norm, RoPE, SiLU*mul: decode steps); longer ones
@@ -108,6 +103,15 @@ static inline float gr_row_max(const uint16_t* row, long vocab) {
         best = _mm512_max_ps(best, _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(row + c))), 16)));
     top = _mm512_reduce_max_ps(best);
+#else
+    float lanes[16];   /* one max per lane, then across: the compiler vectorises it for the target */
+    for (int j = 0; j < 16; j++) lanes[j] = -INFINITY;
+    for (; c + 16 <= vocab; c += 16)
+        for (int j = 0; j < 16; j++) {
+            float v = gr_bf16(row[c + j]);
+            lanes[j] = v > lanes[j] ? v : lanes[j];
+        }
+    for (int j = 0; j < 16; j++) top = lanes[j] > top ? lanes[j] : top;
 #endif
     for (; c < vocab; c++) top = gr_bf16(row[c]) > top ? gr_bf16(row[c]) : top;
     return top;
@@ -170,28 +174,19 @@ long gr_screen(const uint16_t* a, int rows, long vocab, const float* slack, cons
     return kept;
 }
 
-#ifdef GR_AVX512
-/* out[r, c] = silu(g) * u, g = gu[r * stride + c], u = gu[r * stride + cols + c]; torch's loop:
-   32-element vector chunks x / (1 + exp(-x)) with Sleef's exp, the rest scalar with expf. */
-void gr_silu_mul(const float* gu, float* out, int rows, int cols, long stride) {
-    const __m512 one = _mm512_set1_ps(1.0f);
-    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+/* out[r, c] = silu(g) * u, g = gu[r * stride + c], u = gu[r * stride + cols + c], as torch's loop does it:
+   the leading whole chunks of `chunk` elements (its vector steps) x / (1 + exp(-x)) with its vector exp
+   (gr_exp: the same bits), the rest with the scalar expf; chunk 0: expf throughout. */
+void gr_silu_mul(const float* gu, float* out, int rows, int cols, long stride, int chunk) {
+    int vector_end = chunk > 0 ? cols - cols % chunk : 0;
     for (int r = 0; r < rows; r++) {
         const float* g = gu + (size_t)r * stride;
         const float* u = g + cols;
         float* o = out + (size_t)r * cols;
-        int c = 0;
-        for (; c + 32 <= cols; c += 32)
-            for (int h = c; h < c + 32; h += 16) {
-                __m512 x = _mm512_loadu_ps(g + h);
-                __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), sign));
-                __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, gr_expf16(neg)));
-                _mm512_storeu_ps(o + h, _mm512_mul_ps(s, _mm512_loadu_ps(u + h)));
-            }
-        for (; c < cols; c++) o[c] = (g[c] / (1.0f + expf(-g[c]))) * u[c];
+        for (int c = 0; c < vector_end; c++) o[c] = (g[c] / (1.0f + gr_exp(-g[c]))) * u[c];
+        for (int c = vector_end; c < cols; c++) o[c] = (g[c] / (1.0f + expf(-g[c]))) * u[c];
     }
 }
-#endif
 """
 
 
@@ -201,28 +196,15 @@ SIGNATURES = [
                  ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p], ctypes.c_int),
     ("gr_screen", [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float]
      + [ctypes.c_void_p] * 4, ctypes.c_long),
-    ("gr_silu_mul", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_long], None),  # AVX-512
+    ("gr_silu_mul", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_int],
+     None),
 ]
 
 
 def library():
-    """The loaded kernels (ctypes), or None: switched off (KernelConfig.cpu_kernels), no compiler, or the build
-    failed (logged once)."""
-    return _library() if active_kernel_config().cpu_kernels else None
-
-
-@functools.cache
-def _library():
-    cc = native_build.compiler()
-    if cc is None:
-        logger.info("CPU decode kernels off: no C compiler")
-        return None
-    return build(cc)
-
-
-def build(cc: str, march: str = "native", out_dir=None):
-    """Compiles (or finds in the cache) and loads the kernels for `-march={march}`; None when that fails."""
-    return native_build.build_cpu_library("cpu_kernels", _SOURCE, cc, SIGNATURES, march, out_dir)
+    """The loaded kernels (ctypes) for the instruction set in force, or None: switched off
+    (KernelConfig.cpu_kernels), no compiler, or the build failed (launch/native_build.cpu_library)."""
+    return native_build.cpu_library("cpu_kernels", _SOURCE, SIGNATURES)
 
 
 def _applies(t: torch.Tensor) -> bool:
@@ -284,18 +266,20 @@ def rope(qk: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> to
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """silu(gate) * up of gate_up [T, 2 I] (gate first), bit for bit torch's; None where it does not
-    apply (see `_bind_torch_exp`; not fp32 CPU, over MAX_ROWS rows, layout, autograd, kernels off)."""
+    """silu(gate) * up of gate_up [T, 2 I] (gate first), bit for bit torch's where the build has fused
+    multiply-add (avx512, avx2, neon; generic x86: within an ulp or two); None where it does not apply
+    (not fp32 CPU, over MAX_ROWS rows, layout, autograd, kernels off)."""
     if not (gate_up.device.type == "cpu" and gate_up.dtype == torch.float32 and gate_up.dim() == 2
             and 0 < gate_up.shape[0] <= MAX_ROWS and gate_up.stride(1) == 1 and gate_up.shape[1] % 2 == 0
             and _untracked(gate_up)):
         return None
     lib = library()
-    if lib is None or not lib.vector_exp:
+    if lib is None:
         return None
     rows, cols = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, cols)
-    lib.gr_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, cols, gate_up.stride(0))
+    lib.gr_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, cols, gate_up.stride(0),
+                    native_build.torch_vector_chunk())
     return out
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import weakref
 
 import torch
@@ -384,10 +385,30 @@ def _screening_enabled() -> bool:
     return active_kernel_config().cpu_screened_argmax
 
 
+SCREEN_TIMED_SIZE = 1 << 22
+"""Heads of at least this many weights (SmolLM2's: 28M) screen only where `_bf16_product_pays`; smaller
+ones take too little time to measure, and too little to matter."""
+
+
+def _bf16_product_pays(probe: torch.Tensor, w: torch.Tensor, w16: torch.Tensor) -> bool:
+    """The bf16 product takes at most 0.8x the fp32 one's time (best of three each, interleaved). Where
+    torch has no fast bf16 GEMM for this CPU (without AVX-512 or Arm's bf16 extension it converts
+    element by element: 2.3x the fp32 time, [32, 576] x [49152, 576], with ONEDNN_MAX_CPU_ISA=AVX2
+    ATEN_CPU_CAPABILITY=avx2), reading half the bytes does not pay for it."""
+    probe16, best32, best16 = probe.to(torch.bfloat16), float("inf"), float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        F.linear(probe, w)
+        middle = time.perf_counter()
+        F.linear(probe16, w16)
+        best32, best16 = min(best32, middle - started), min(best16, time.perf_counter() - middle)
+    return best16 <= 0.8 * best32
+
+
 def _build_screen(weight: torch.Tensor):
     """(bf16 copy of `weight`, fp32 row norms, their max) for `screened_argmax`; None when the
-    weight is not finite or the bf16 product misses the SCREEN_ERROR bound on random rows (a CPU
-    whose bf16 matmul does not accumulate in fp32)."""
+    weight is not finite, the bf16 product misses the SCREEN_ERROR bound on random rows (a CPU
+    whose bf16 matmul does not accumulate in fp32), or it is not faster than the fp32 one here."""
     with torch.no_grad():
         w, screen = weight.detach(), None
         if bool(torch.isfinite(w).all()):
@@ -395,10 +416,12 @@ def _build_screen(weight: torch.Tensor):
             probe = torch.randn(SCREEN_MIN_ROWS, w.shape[1], generator=torch.Generator().manual_seed(0))
             error = (F.linear(probe.to(torch.bfloat16), w16).float() - F.linear(probe, w)).abs()
             bound = SCREEN_ERROR * probe.norm(dim=1, keepdim=True) * norms
-            if bool((error <= bound / 4).all()):
-                screen = (w16, norms, float(norms.max()))
-            else:
+            if not bool((error <= bound / 4).all()):
                 logger.warning("screened CPU argmax disabled: the bf16 product misses its error bound")
+            elif w.numel() >= SCREEN_TIMED_SIZE and not _bf16_product_pays(probe, w, w16):
+                logger.info("screened CPU argmax off: torch's bf16 product is not faster than fp32 on this CPU")
+            else:
+                screen = (w16, norms, float(norms.max()))
     return screen
 
 

@@ -34,9 +34,12 @@ def _head(vocab: int, hidden: int, seed: int) -> "Linear":
 
 
 @torch.no_grad()   # not inference_mode: the weight is edited in place below, and its version must count
-def test_screened_argmax_is_the_full_argmax():
-    """The bf16-screened LM head picks exactly the fp32 head's first maximum, near ties included."""
+def test_screened_argmax_is_the_full_argmax(monkeypatch):
+    """The bf16-screened LM head picks exactly the fp32 head's first maximum, near ties included (screened
+    whether or not torch's bf16 product is the faster one on this CPU)."""
+    from models import layers
     from models.layers import screened_argmax
+    monkeypatch.setattr(layers, "_bf16_product_pays", lambda *args: True)
     head = _head(49152, 576, 0)
     g = torch.Generator().manual_seed(1)
     for rows in (16, 32, 64):
@@ -67,6 +70,20 @@ def test_screened_argmax_declines_where_it_does_not_apply():
     assert screened_argmax(torch.randn(32, 64), biased) is None
     hidden = torch.randn(32, 64)
     assert torch.equal(screened_argmax(hidden, head), head(hidden).max(dim=-1).indices)  # small vocab: padded ids
+
+
+def test_a_head_screens_only_where_the_bf16_product_pays(monkeypatch):
+    """A large head whose bf16 product is not faster than its fp32 one here (torch without a fast bf16
+    GEMM for this CPU) is not screened: the full fp32 head runs."""
+    from models import layers
+    monkeypatch.setattr(layers, "_bf16_product_pays", lambda *args: False)
+    head = _head(8192, 576, 3)
+    assert head.weight.numel() >= layers.SCREEN_TIMED_SIZE
+    with torch.no_grad():
+        assert layers.screened_argmax(torch.randn(32, 576), head) is None
+    small = _head(1000, 64, 2)   # too small to time: screened
+    with torch.no_grad():
+        assert layers.screened_argmax(torch.randn(32, 64), small) is not None
 
 
 def test_screen_error_bound_holds():

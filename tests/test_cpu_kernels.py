@@ -1,5 +1,9 @@
 """The CPU C kernels against their torch twins: models/cpu_kernels.py (RMSNorm with HF's rounding, RoPE,
-SiLU*mul, the LM-head screen) and attention/backends/c_attention.py (the decode attention)."""
+SiLU*mul, the LM-head screen) and attention/backends/cpu_decode_attention.py (the decode attention).
+
+Every kernel test runs once per instruction set this CPU runs (`isa`: avx512, avx2, generic on an
+AVX-512 machine; KernelConfig.cpu_isa caps the build), so a CPU with AVX-512 also checks the paths
+CPUs without it take; none skips for lack of an instruction set (`generic` runs everywhere)."""
 
 from __future__ import annotations
 
@@ -9,10 +13,23 @@ import pytest
 import torch
 
 from attention.backends import cpu_decode_attention as c_attention
+from configs import using_kernel_config
+from launch import native_build
 from models import cpu_kernels
 from models.layers import RMSNorm
 
-needs_kernels = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler here")
+needs_kernels = pytest.mark.skipif(native_build.compiler() is None, reason="no C compiler here")
+
+
+@pytest.fixture(params=native_build.host_isas())
+def isa(request):
+    """The kernels built for each instruction set this CPU runs (KernelConfig.cpu_isa), in force for the test."""
+    with using_kernel_config(cpu_isa=request.param):
+        lib = cpu_kernels.library()
+        if native_build.compiler() is not None:
+            assert lib is not None and lib.isa == request.param and c_attention.library().isa == request.param
+            assert bool(lib.gr_has_avx512()) == (request.param == "avx512")
+        yield request.param
 
 
 def _norm(size: int) -> RMSNorm:
@@ -23,7 +40,7 @@ def _norm(size: int) -> RMSNorm:
 
 @needs_kernels
 @pytest.mark.parametrize("rows,cols", [(1, 576), (7, 576), (32, 576), (64, 2048), (3, 100)])
-def test_c_rms_norm_matches_the_reference(rows, cols):
+def test_c_rms_norm_matches_the_reference(rows, cols, isa):
     """The residual sum is exact; the norm agrees with the torch reference to the last bits (only the
     sum of squares adds in another order)."""
     norm = _norm(cols)
@@ -41,7 +58,7 @@ def test_c_rms_norm_matches_the_reference(rows, cols):
 
 
 @needs_kernels
-def test_c_rms_norm_declines_where_it_does_not_apply():
+def test_c_rms_norm_declines_where_it_does_not_apply(isa):
     norm = _norm(64)
     x = torch.randn(4, 64)
     with torch.inference_mode():
@@ -67,18 +84,19 @@ def test_kernels_switch_off(kernel_switches):
 
 
 def test_no_compiler_keeps_the_torch_path(monkeypatch):
-    from launch import native_build
     monkeypatch.setattr(native_build, "compiler", lambda: None)
-    cpu_kernels._library.cache_clear()
+    native_build.forget_loaded_libraries()
     try:
-        assert cpu_kernels.library() is None
+        assert cpu_kernels.library() is None and c_attention.library() is None
+        assert not c_attention.native_attention()
     finally:
-        cpu_kernels._library.cache_clear()
+        native_build.forget_loaded_libraries()
 
 
 # --- RoPE, SiLU*mul, the LM-head screen: the C pass against the torch ops it replaces ---------------
 
-def test_c_rope_is_bit_identical_to_the_torch_rotation():
+@needs_kernels
+def test_c_rope_is_bit_identical_to_the_torch_rotation(isa):
     from transformers import LlamaConfig
 
     from models.rotary import RotaryEmbedding, _adjacent_heads, _rotate, _rotate_signed
@@ -103,17 +121,13 @@ def test_c_rope_is_bit_identical_to_the_torch_rotation():
         assert cpu_kernels.rope(qk, positions.int(), rotary.cos_sin_cache) is None
 
 
-needs_vector_exp = pytest.mark.skipif(not (cpu_kernels.library() and cpu_kernels.library().vector_exp),
-                                      reason="needs the AVX-512 build and torch's AVX-512 kernels")
-needs_c_attention = pytest.mark.skipif(not c_attention.native_attention(),
-                                       reason="needs the AVX-512 build and torch's AVX-512 kernels")
-
-
-@needs_vector_exp
+@needs_kernels
 @pytest.mark.parametrize("rows,cols,scale", [(32, 1536, 4.0), (7, 1536, 30.0), (64, 2048, 1.0), (5, 100, 3.0),
                                              (3, 1031, 10.0)])
-def test_c_silu_mul_is_bit_identical_to_torch(rows, cols, scale):
-    """Torch's own vector exp on the same 32-element chunks: equal to the last bit, specials included."""
+def test_c_silu_mul_is_bit_identical_to_torch(rows, cols, scale, isa):
+    """An exp that rounds as torch's vector exp, on the chunks torch's loop takes: equal to the last bit,
+    specials included, wherever the build has fused multiply-add (avx512, avx2, neon); a generic x86
+    build (no FMA) within a few ulps."""
     gate_up = torch.randn(rows, 2 * cols, generator=torch.Generator().manual_seed(cols)) * scale
     gate_up[0, :8] = torch.tensor([0.0, -0.0, 88.7, -88.7, -104.0, 200.0, float("inf"), float("-inf")])
     gate, up = gate_up.chunk(2, dim=-1)
@@ -121,12 +135,16 @@ def test_c_silu_mul_is_bit_identical_to_torch(rows, cols, scale):
         got = cpu_kernels.silu_mul(gate_up)
         expected = torch.nn.functional.silu(gate) * up
         assert torch.equal(got.isnan(), expected.isnan())
-        assert torch.equal(got.nan_to_num(), expected.nan_to_num())
+        if cpu_kernels.library().gr_exp_is_sleefs():
+            assert torch.equal(got.nan_to_num(), expected.nan_to_num())
+        else:
+            assert isa == "generic"
+            torch.testing.assert_close(got.nan_to_num(), expected.nan_to_num(), rtol=4e-7, atol=1e-6)
         assert cpu_kernels.silu_mul(gate_up[:, :-1]) is None          # odd width: no gate/up halves
 
 
 @pytest.mark.parametrize("vocab", [3000, 4103])   # column tasks of 2048, a tail that is not 16 lanes
-def test_c_screen_finds_the_torch_screens_candidates(vocab):
+def test_c_screen_finds_the_torch_screens_candidates(vocab, isa):
     from models.layers import _screen_candidates
     gen = torch.Generator().manual_seed(5)
     rows = 20
@@ -169,10 +187,10 @@ def _written(b, key, value):
     return cache
 
 
-@needs_c_attention
+@needs_kernels
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim,block_size", [
-    (9, 3, 64, 16), (4, 4, 64, 16), (8, 2, 128, 32), (6, 3, 32, 8), (4, 1, 48, 5)])
-def test_c_decode_attention_matches_the_float64_reference(num_q_heads, num_kv_heads, head_dim, block_size):
+    (9, 3, 64, 16), (4, 4, 64, 16), (8, 2, 128, 32), (6, 3, 32, 8), (4, 1, 48, 5), (2, 1, 24, 4)])
+def test_c_decode_attention_matches_the_float64_reference(num_q_heads, num_kv_heads, head_dim, block_size, isa):
     from tests.paged_batch import reference_attention
     gen = torch.Generator().manual_seed(head_dim)
     context_lens = torch.randint(0, 90, (11,), generator=gen).tolist() + [0, 15, 16, 31, 32, 33]
@@ -189,8 +207,8 @@ def test_c_decode_attention_matches_the_float64_reference(num_q_heads, num_kv_he
     torch.testing.assert_close(out.double(), reference, atol=2e-6, rtol=2e-6)
 
 
-@needs_c_attention
-def test_c_decode_attention_reads_strided_rows_and_is_the_same_on_one_thread():
+@needs_kernels
+def test_c_decode_attention_reads_strided_rows_and_is_the_same_on_one_thread(isa):
     """q, k, v as views of one qkv projection row (the model's layout); one thread or two, the same
     bits (each request is one thread's)."""
     b, _, _ = _decode_batch([40, 7, 100, 1], num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16, seed=9)
@@ -216,8 +234,8 @@ def test_c_decode_attention_reads_strided_rows_and_is_the_same_on_one_thread():
     assert torch.equal(outs[0], contiguous)
 
 
-@needs_c_attention
-def test_c_decode_attention_refuses_out_of_range_indices_and_writes_nothing():
+@needs_kernels
+def test_c_decode_attention_refuses_out_of_range_indices_and_writes_nothing(isa):
     b, key, value = _decode_batch([5, 20], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4, seed=3)
     cache = b.kv_cache.clone()
     out = torch.empty_like(b.query)
@@ -242,10 +260,10 @@ def test_c_decode_attention_declines_what_it_does_not_cover():
     assert not c_attention.decode_attention(b.query.transpose(0, 1).contiguous().transpose(0, 1), key, value,
                                             *args, out)                        # heads not contiguous in a row
     assert not c_attention.decode_attention(b.query, key, value, b.kv_cache, b.block_table.long(), *args[2:], out)
-    narrow = _decode_batch([5], num_q_heads=2, num_kv_heads=1, head_dim=24, block_size=4, seed=5)[0]
+    narrow = _decode_batch([5], num_q_heads=2, num_kv_heads=1, head_dim=20, block_size=4, seed=5)[0]
     assert not c_attention.decode_attention(narrow.query, narrow.query[:, :1], narrow.query[:, :1], narrow.kv_cache,
                                             narrow.block_table, narrow.seq_lens, narrow.slot_mapping, 1.0,
-                                            torch.empty_like(narrow.query))       # head_dim 24: not 16 lanes
+                                            torch.empty_like(narrow.query))       # head_dim 20: not 8 lanes
 
 
 def _backend_decode(b, key, value, native: bool, monkeypatch, layer_key=None):
@@ -271,8 +289,8 @@ def _backend_decode(b, key, value, native: bool, monkeypatch, layer_key=None):
     return out, cache, metadata
 
 
-@needs_c_attention
-def test_backend_decode_step_takes_the_c_kernel_and_agrees_with_the_torch_path(monkeypatch):
+@needs_kernels
+def test_backend_decode_step_takes_the_c_kernel_and_agrees_with_the_torch_path(monkeypatch, isa):
     b, key, value = _decode_batch([40, 7, 100, 1, 63], num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
                                   seed=21)
     native_out, native_cache, metadata = _backend_decode(b, key, value, True, monkeypatch)
@@ -294,7 +312,6 @@ def test_a_compiler_without_openmp_builds_the_same_kernels_for_one_core(monkeypa
     answer the same (the parallel loop just runs on one thread)."""
     import subprocess
 
-    from launch import native_build
     real, tried = native_build.compile_shared, []
 
     def no_openmp(name, source, cc, flags, *args, **kwargs):
@@ -310,7 +327,7 @@ def test_a_compiler_without_openmp_builds_the_same_kernels_for_one_core(monkeypa
         native = c_attention.decode_attention(b.query, key, value, b.kv_cache, b.block_table, b.seq_lens,
                                               b.slot_mapping, b.scale, expected)
         monkeypatch.setattr(native_build, "compile_shared", no_openmp)
-        c_attention._library.cache_clear()
+        native_build.forget_loaded_libraries()
         try:
             assert c_attention.library() is not None and tried == [True, False]
             got = torch.empty_like(b.query)
@@ -318,21 +335,16 @@ def test_a_compiler_without_openmp_builds_the_same_kernels_for_one_core(monkeypa
             assert c_attention.decode_attention(b.query, key, value, b.kv_cache, b.block_table, b.seq_lens,
                                                 b.slot_mapping, b.scale, got) == native
         finally:
-            c_attention._library.cache_clear()
-    if native:
-        assert torch.equal(got, expected)
+            native_build.forget_loaded_libraries()
+    assert native and torch.equal(got, expected)
 
 
 @needs_kernels
-def test_a_build_without_avx512_keeps_the_portable_kernels_and_declines_the_rest(monkeypatch, tmp_path):
-    """What a CPU without AVX-512 builds (-march=x86-64-v2 here): norm, RoPE and the screen in plain C,
-    with the same answers; SiLU*mul and the attention decline, so torch's ops run."""
-    from launch import native_build
+def test_every_instruction_set_gives_the_same_norm_rope_and_screen(tmp_path):
+    """The builds without AVX-512 (portable C, vectorised by the compiler for AVX2 or the baseline) answer
+    bit for bit what the AVX-512 one does for the kernels that are exact, each from its own cached file."""
     from models.layers import _screen_candidates
     from models.rotary import _rotate
-    portable = cpu_kernels.build(native_build.compiler(), march="x86-64-v2", out_dir=tmp_path)
-    assert portable is not None and not portable.gr_has_avx512() and not portable.vector_exp
-    results = {}
     gen = torch.Generator().manual_seed(41)
     x, residual, weight = torch.randn(9, 200, generator=gen), torch.randn(9, 200, generator=gen), torch.randn(200)
     qk = torch.randn(9, 5, 64, generator=gen)
@@ -340,24 +352,88 @@ def test_a_build_without_avx512_keeps_the_portable_kernels_and_declines_the_rest
     table = torch.randn(100, 64, generator=gen)
     approx = (torch.randn(20, 3001, generator=gen) * 3).to(torch.bfloat16)
     slack, norms = torch.rand(20, generator=gen) * 0.05, torch.rand(3001, generator=gen) + 0.5
-    b, key, value = _decode_batch([5, 20], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4, seed=42)
-    with torch.inference_mode():
-        for name, lib in [("native", cpu_kernels.library()), ("portable", portable)]:
-            monkeypatch.setattr(cpu_kernels, "library", lambda lib=lib: lib)
-            results[name] = (cpu_kernels.add_rms_norm(x, residual, weight, 1e-5),
-                             cpu_kernels.rope(qk, positions, table),
-                             cpu_kernels.screen_candidates(approx, slack, norms, float(norms.max())))
-        assert cpu_kernels.silu_mul(torch.randn(4, 64)) is None
-        portable_attention = c_attention.build(native_build.compiler(), march="x86-64-v2", out_dir=tmp_path)
-        assert portable_attention is not None and not portable_attention.vector_exp
-        monkeypatch.setattr(c_attention, "library", lambda: portable_attention)
-        assert not c_attention.decode_attention(b.query, key, value, b.kv_cache, b.block_table, b.seq_lens,
-                                                         b.slot_mapping, b.scale, torch.empty_like(b.query))
-    (out, summed), rotated, (ids, candidates, floor) = results["portable"]
-    (ref_out, ref_summed), ref_rotated, ref_screen = results["native"]
-    assert torch.equal(summed, ref_summed) and torch.equal(out, ref_out)
+    results = {}
+    for isa in native_build.host_isas():
+        with using_kernel_config(cpu_isa=isa), torch.inference_mode():
+            assert cpu_kernels.library().isa == isa
+            results[isa] = (*cpu_kernels.add_rms_norm(x, residual, weight, 1e-5), cpu_kernels.rope(qk, positions, table),
+                            *cpu_kernels.screen_candidates(approx, slack, norms, float(norms.max())))
+    first = results[native_build.host_isas()[0]]
+    assert all(all(torch.equal(a, b) for a, b in zip(first, got)) for got in results.values())
     cos, sin = table[positions].chunk(2, dim=-1)
-    assert torch.equal(rotated, ref_rotated) and torch.equal(rotated, _rotate(qk, cos[:, None], sin[:, None], 64))
-    expected = _screen_candidates(approx.float(), slack, norms, float(norms.max()))
-    for got, want, also in zip((ids, candidates, floor), expected, ref_screen):
-        assert torch.equal(got, want) and torch.equal(got, also)
+    assert torch.equal(first[2], _rotate(qk, cos[:, None], sin[:, None], 64))
+    assert all(torch.equal(a, b) for a, b in zip(first[3:], _screen_candidates(approx.float(), slack, norms,
+                                                                               float(norms.max()))))
+    built = {native_build.build_cpu_library("cpu_kernels", cpu_kernels._SOURCE, native_build.compiler(),
+                                            cpu_kernels.SIGNATURES, isa, out_dir=tmp_path).isa
+             for isa in native_build.host_isas()}
+    assert built == set(native_build.host_isas())
+    assert len(list(tmp_path.glob("cpu_kernels_*.so"))) == len(built)     # one cached file per instruction set
+
+
+def test_the_isa_cap_takes_the_best_the_cpu_runs_at_or_below_it(monkeypatch, caplog):
+    """KernelConfig.cpu_isa caps the instruction set: the best one the CPU runs at or below the cap; a
+    cap of another architecture, or a CPU with none of the vector sets, leaves generic. Logged once."""
+    import logging
+    monkeypatch.setattr(native_build, "machine", lambda: "x86_64")
+    avx2_host = ("avx2", "generic")
+    native_build._chosen_isa.cache_clear()
+    with caplog.at_level(logging.INFO, logger="launch.native_build"):
+        assert [native_build._chosen_isa(cap, avx2_host) for cap in ("auto", "avx512", "avx2", "generic", "neon")] \
+            == ["avx2", "avx2", "avx2", "generic", "generic"]
+        assert native_build._chosen_isa("auto", avx2_host) == "avx2"
+    assert sum("instruction set avx2" in r.getMessage() and "cpu_isa=auto" in r.getMessage()
+               for r in caplog.records) == 1
+    assert native_build._chosen_isa("auto", ("generic",)) == "generic"
+    monkeypatch.setattr(native_build, "machine", lambda: "aarch64")
+    assert native_build._chosen_isa("auto", ("neon", "generic")) == "neon"
+    assert native_build._chosen_isa("avx2", ("neon", "generic")) == "generic"
+    assert native_build.isa_flags("generic") == ["-march=armv8-a+nosimd"]
+    with pytest.raises(ValueError, match="cpu_isa"):
+        from configs import KernelConfig
+        KernelConfig(cpu_isa="sse4")
+
+
+EXP_CHECK = r"""
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <immintrin.h>
+int main(int argc, char** argv) {
+    __m256 (*sleef)(__m256) = (__m256 (*)(__m256))dlsym(dlopen(argv[1], RTLD_NOW), "Sleef_expf8_u10");
+    uint64_t stride = strtoull(argv[2], 0, 10), checked = 0, differ = 0;
+    float in[8], mine[8], theirs[8];
+    for (uint64_t bits = 0; bits < (1ull << 32); bits += 8 * stride) {
+        for (int j = 0; j < 8; j++) {
+            uint32_t b = (uint32_t)(bits + j * stride);
+            memcpy(in + j, &b, 4);
+            mine[j] = gr_exp(in[j]);
+        }
+        _mm256_storeu_ps(theirs, sleef(_mm256_loadu_ps(in)));
+        for (int j = 0; j < 8; j++, checked++)
+            differ += memcmp(mine + j, theirs + j, 4) != 0 && !(mine[j] != mine[j] && theirs[j] != theirs[j]);
+    }
+    printf("%llu %llu\n", (unsigned long long)checked, (unsigned long long)differ);
+    return 0;
+}
+"""
+
+
+@needs_kernels
+@pytest.mark.skipif("avx2" not in native_build.host_isas(), reason="calls torch's AVX2 Sleef exp")
+def test_the_portable_exp_is_torchs_vector_exp_bit_for_bit(tmp_path):
+    """native_build's gr_exp built with fused multiply-add against libtorch's own Sleef_expf8_u10 (the
+    AVX2 twin of the AVX-512 exp torch's kernels call) on every 61st float bit pattern, specials
+    included (stride = 1 checks all 2^32: equal, ~1 minute on one core)."""
+    import os
+    import subprocess
+    stride = 61
+    source = tmp_path / "exp_check.c"
+    source.write_text(native_build.CPU_PREAMBLE + EXP_CHECK)
+    binary = tmp_path / "exp_check"
+    subprocess.run([native_build.compiler(), "-O2", *native_build.ISA_FLAGS["avx2"], "-ffp-contract=off",
+                    "-fno-math-errno", "-fno-trapping-math", str(source), "-o", str(binary), "-ldl"], check=True)
+    torch_cpu = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    checked, differ = map(int, subprocess.run([str(binary), torch_cpu, str(stride)], check=True, capture_output=True,
+                                              text=True).stdout.split())
+    assert checked > (1 << 32) // stride - 8 and differ == 0

@@ -6,24 +6,92 @@ through the block table (no gather, no mask, no dense copy), 16 positions at a t
 parallel on torch's own OpenMP threads (the library links libgomp, which resolves to the copy torch
 loaded). Not bit for bit SDPA (its sums run in another order, as SDPA's do against HF's eager
 attention): within 2e-6 of a float64 reference in tests/test_cpu_kernels.py, and token for token HF in
-tests/test_smollm2.py. Needs AVX-512 and torch's AVX-512 kernels (their vector exp); off with
+tests/test_smollm2.py. Two implementations of one algorithm: AVX-512 intrinsics (head dims that are
+multiples of 16, with torch's AVX-512 vector exp) and portable C on 8-float vectors (GCC/clang vector
+extensions) that the compiler maps to the build's instruction set (avx2, neon, generic; KernelConfig.cpu_isa
+caps it). Head dims that are not a multiple of 8 take the torch path. Off with
 KernelConfig.cpu_kernels=False, and wherever the compiler or the build is missing: the torch path then runs.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import logging
 
 import torch
 
-from configs.kernel_config import active_kernel_config
 from launch import native_build
 
-logger = logging.getLogger(__name__)
-
 _SOURCE = r"""
+/* 8 floats in one vector (GCC/clang vector extensions): the compiler maps it to the target's registers
+   (one AVX2 register, two SSE or NEON ones, scalars without SIMD). Products and sums rounded apart. */
+typedef float gr_f8 __attribute__((vector_size(32)));
+
+static inline gr_f8 gr_load8(const float* p) {
+    gr_f8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float gr_sum8(gr_f8 v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
+
+/* The portable twin of gr_attend below (head dims that are multiples of 8): the same online softmax over
+   16 positions at a time, on 8-float vectors (avx2, neon, generic builds; AVX-512 builds where torch's
+   vector exp is not handed in). `chunks` = dim / 8 is a constant in each inlined copy (gr_attend_one),
+   so a head's query and accumulator stay in registers. */
+static inline __attribute__((always_inline)) void gr_attend_portable(
+        const float* q, const float* kc, const float* vc, const int32_t* table, int len, int block_size, int hkv,
+        int group, const int chunks, float scale, float* out) {
+    const int dim = 8 * chunks, heads = hkv * group;
+    const size_t head_sz = (size_t)hkv * dim;
+    float m[heads], l[heads], s[16], p[16];
+    for (int i = 0; i < heads; i++) {
+        m[i] = -INFINITY;
+        l[i] = 0.f;
+    }
+    for (int i = 0; i < heads * dim; i++) out[i] = 0.f;
+    for (int start = 0; start < len; start += 16) {
+        int n = len - start < 16 ? len - start : 16;
+        const float* krow[16];
+        const float* vrow[16];
+        for (int t = 0; t < n; t++) {
+            int pos = start + t;
+            size_t slot = (size_t)table[pos / block_size] * block_size + pos % block_size;
+            krow[t] = kc + slot * head_sz;
+            vrow[t] = vc + slot * head_sz;
+        }
+        for (int hq = 0; hq < heads; hq++) {
+            const size_t off = (size_t)(hq / group) * dim;
+            gr_f8 qv[chunks], a[chunks];
+            for (int c = 0; c < chunks; c++) qv[c] = gr_load8(q + (size_t)hq * dim + 8 * c);
+            float top = m[hq];
+            for (int t = 0; t < 16; t++) {
+                s[t] = -INFINITY;
+                if (t < n) {
+                    gr_f8 sum = qv[0] * gr_load8(krow[t] + off);
+                    for (int c = 1; c < chunks; c++) sum += qv[c] * gr_load8(krow[t] + off + 8 * c);
+                    s[t] = gr_sum8(sum) * scale;
+                }
+                top = s[t] > top ? s[t] : top;
+            }
+            float total = 0.f;
+            for (int t = 0; t < 16; t++) p[t] = gr_exp(s[t] - top);
+            for (int t = 0; t < 16; t++) total += p[t];
+            float corr = m[hq] == -INFINITY ? 0.f : gr_exp(m[hq] - top);
+            m[hq] = top;
+            l[hq] = l[hq] * corr + total;
+            float* acc = out + (size_t)hq * dim;
+            for (int c = 0; c < chunks; c++) a[c] = gr_load8(acc + 8 * c) * corr;
+            for (int t = 0; t < n; t++)
+                for (int c = 0; c < chunks; c++) a[c] += p[t] * gr_load8(vrow[t] + off + 8 * c);
+            memcpy(acc, a, sizeof a);
+        }
+    }
+    for (int hq = 0; hq < heads; hq++) {
+        float inv = len ? 1.f / l[hq] : 0.f;
+        for (int d = 0; d < dim; d++) out[(size_t)hq * dim + d] *= inv;
+    }
+}
+
 #ifdef GR_AVX512
 /* lane t = the sum of v[t]'s 16 lanes (a transpose-and-add: 45 instructions for 16 dot products). */
 static inline __m512 gr_sum16(const __m512* v) {
@@ -112,12 +180,23 @@ static inline __attribute__((always_inline)) void gr_attend(
     }
 }
 
+#endif
+
 static void gr_attend_one(const float* q, const float* kc, const float* vc, const int32_t* table, int len,
                           int block_size, int hkv, int group, int dim, float scale, float* out) {
+#ifdef GR_AVX512
+    if (gr_expf16 && dim % 16 == 0) {
+        switch (dim) {
+            case 64: gr_attend(q, kc, vc, table, len, block_size, hkv, group, 4, scale, out); return;
+            case 128: gr_attend(q, kc, vc, table, len, block_size, hkv, group, 8, scale, out); return;
+            default: gr_attend(q, kc, vc, table, len, block_size, hkv, group, dim / 16, scale, out); return;
+        }
+    }
+#endif
     switch (dim) {
-        case 64: gr_attend(q, kc, vc, table, len, block_size, hkv, group, 4, scale, out); break;
-        case 128: gr_attend(q, kc, vc, table, len, block_size, hkv, group, 8, scale, out); break;
-        default: gr_attend(q, kc, vc, table, len, block_size, hkv, group, dim / 16, scale, out);
+        case 64: gr_attend_portable(q, kc, vc, table, len, block_size, hkv, group, 8, scale, out); break;
+        case 128: gr_attend_portable(q, kc, vc, table, len, block_size, hkv, group, 16, scale, out); break;
+        default: gr_attend_portable(q, kc, vc, table, len, block_size, hkv, group, dim / 8, scale, out);
     }
 }
 
@@ -152,35 +231,20 @@ int gr_decode_attention(const float* q, long q_stride, const float* k, long k_st
                       group, dim, scale, out + (size_t)r * hkv * group * dim);
     return 0;
 }
-#endif
 """
 
 SIGNATURES = [
     ("gr_decode_attention", [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
                              ctypes.c_long, ctypes.c_void_p, ctypes.c_long] + [ctypes.c_int] * 4
      + [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_float,
-        ctypes.c_void_p], ctypes.c_int),   # AVX-512 only
+        ctypes.c_void_p], ctypes.c_int),
 ]
 
 
 def library():
-    """The loaded kernel (ctypes), or None: switched off (KernelConfig.cpu_kernels), no compiler, or the build
-    failed (logged once)."""
-    return _library() if active_kernel_config().cpu_kernels else None
-
-
-@functools.cache
-def _library():
-    cc = native_build.compiler()
-    if cc is None:
-        logger.info("CPU decode attention off: no C compiler")
-        return None
-    return build(cc)
-
-
-def build(cc: str, march: str = "native", out_dir=None):
-    """Compiles (or finds in the cache) and loads the kernel for `-march={march}`; None when that fails."""
-    return native_build.build_cpu_library("cpu_decode_attention", _SOURCE, cc, SIGNATURES, march, out_dir)
+    """The loaded kernel (ctypes) for the instruction set in force, or None: switched off
+    (KernelConfig.cpu_kernels), no compiler, or the build failed (launch/native_build.cpu_library)."""
+    return native_build.cpu_library("cpu_decode_attention", _SOURCE, SIGNATURES)
 
 
 def _untracked(*tensors: torch.Tensor) -> bool:
@@ -189,9 +253,8 @@ def _untracked(*tensors: torch.Tensor) -> bool:
 
 
 def native_attention() -> bool:
-    """`decode_attention` can run here: the kernel is built for AVX-512 and has torch's vector exp."""
-    lib = library()
-    return lib is not None and lib.vector_exp
+    """`decode_attention` can run here: the kernel is built (any instruction set)."""
+    return library() is not None
 
 
 def _heads_rows(t: torch.Tensor, heads: int, dim: int) -> bool:
@@ -207,11 +270,11 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     kv_cache [2, num_blocks, block_size, Hkv, D] at slots [R] (-1: skipped), then out [R, Hq, D] =
     attention of query [R, Hq, D] (one token per request, already rotated) over each request's
     seq_lens[r] cached positions through block_table [R, W] (int32). False where it does not apply
-    (not fp32 CPU, layout, head_dim not a multiple of 16, see `native_attention`): nothing was done.
+    (not fp32 CPU, layout, head_dim not a multiple of 8, see `native_attention`): nothing was done.
     Out-of-range slots, lengths or block ids raise IndexError."""
     rows, heads, dim = query.shape if query.dim() == 3 else (0, 0, 0)
     kv_heads = kv_cache.shape[3] if kv_cache.dim() == 5 else 0
-    if not (rows > 0 and dim % 16 == 0 and kv_heads and heads % kv_heads == 0
+    if not (rows > 0 and dim % 8 == 0 and kv_heads and heads % kv_heads == 0
             and _heads_rows(query, heads, dim) and _heads_rows(key, kv_heads, dim) and _heads_rows(value, kv_heads, dim)
             and key.shape[0] >= rows and value.shape[0] >= rows and out.is_contiguous() and out.shape == query.shape
             and out.dtype == torch.float32 and kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
@@ -223,7 +286,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             and _untracked(query, key, value)):
         return False
     lib = library()
-    if lib is None or not lib.vector_exp:   # the softmax takes the same vector exp
+    if lib is None:
         return False
     error = lib.gr_decode_attention(
         query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),

@@ -10,7 +10,7 @@ skips the query gather and the output scatter, and folds each KV head's group of
 into the query-length dimension ([R, Hkv, group, D] against [R, Hkv, kv_len, D]): one small
 attention per KV head instead of one per query head.
 
-On a CPU with the C kernel (cpu_decode_attention.py beside this file: AVX-512, a C compiler), a pure
+On a CPU with the C kernel (cpu_decode_attention.py beside this file: a C compiler), a pure
 decode step skips all of this: each layer's KV write and attention are one C call that reads the
 paged cache through the block table (`cpu_decode_attention.decode_attention`, 16 positions at a
 time, requests in parallel on torch's OpenMP threads): the mask, the dense copy's upkeep and SDPA's

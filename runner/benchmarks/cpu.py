@@ -2,7 +2,7 @@
 
     graphrunner bench cpu [--model default] [--prompts 32] [--tokens 64] [--repeats 3]
                           [--warmup-runs 1] [--lockstep-runs 3] [--threads N] [--warm-prefix-cache]
-                          [--out DIR]
+                          [--cpu-isa auto|avx512|avx2|neon|generic] [--out DIR]
 
 Both sides: fp32, greedy, ignore EOS (every request makes exactly --tokens tokens), the whole
 generate timed (prefill included). HF runs the whole batch in one left-padded `generate` call
@@ -23,6 +23,11 @@ Same work on both sides: the engine's prefix cache is emptied before every timed
 computes every prompt token as HF does (otherwise the warm-up and earlier repeats would let it
 skip the shared chat-template prefix and whole repeated prompts). `--warm-prefix-cache` keeps
 the cache warm, which is the serving case but not an equal-work comparison.
+
+`--cpu-isa` caps the instruction set of the engine's C kernels (KernelConfig.cpu_isa), to measure on an
+AVX-512 machine what a CPU without AVX-512 gets; to take torch's own AVX-512 kernels away from both
+sides too, run it with ATEN_CPU_CAPABILITY=avx2 (torch's element-wise kernels) and
+MKL_ENABLE_INSTRUCTIONS=AVX2 (its GEMMs), which torch and MKL read at start-up.
 
 Lockstep runs (`--lockstep-runs`, after the alternating pairs): the two sides interleave step by
 step instead of run by run. HF's `generate` calls its stopping criteria once per generated token;
@@ -101,10 +106,11 @@ class HFSide:
 
 
 class EngineSide:
-    def __init__(self, path: str, prompts: list[str], tokens: int, warm_prefix_cache: bool) -> None:
+    def __init__(self, path: str, prompts: list[str], tokens: int, warm_prefix_cache: bool,
+                 cpu_isa: str = "auto") -> None:
         from configs import SamplingParams
         from runner import LLM
-        self.llm = LLM(model=path, dtype="float32", device="cpu")
+        self.llm = LLM(model=path, dtype="float32", device="cpu", kernel_config={"cpu_isa": cpu_isa})
         self.prompts, self.tokens, self.warm = prompts, tokens, warm_prefix_cache
         self.params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
 
@@ -174,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lockstep-runs", type=int, default=3,
                         help="runs of each side interleaved step by step (0: none), reported beside the pairs")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--cpu-isa", default="auto", choices=["auto", "avx512", "avx2", "neon", "generic"],
+                        help="cap on the instruction set of the engine's C kernels (KernelConfig.cpu_isa)")
     parser.add_argument("--warm-prefix-cache", action="store_true",
                         help="keep the engine's prefix cache between runs (less work than HF)")
     add_out_argument(parser)
@@ -187,7 +195,7 @@ def _run(args) -> int:
     from transformers import AutoTokenizer
     path = resolve_model_path(args.model)
     prompts = make_prompts(AutoTokenizer.from_pretrained(path), args.prompts)
-    engine = EngineSide(path, prompts, args.tokens, args.warm_prefix_cache)
+    engine = EngineSide(path, prompts, args.tokens, args.warm_prefix_cache, args.cpu_isa)
     hf = HFSide(path, prompts, args.tokens)
     for _ in range(args.warmup_runs):
         engine.run()
@@ -214,7 +222,10 @@ def _run(args) -> int:
     engine_tps, hf_tps = statistics.median(engine_runs), statistics.median(hf_runs)
     steps = [lockstep(engine, hf, run) for run in range(args.lockstep_runs)]
     step_ratios = [e / h for e, h in steps]
+    from launch import native_build
+    isa = native_build.cpu_isa(args.cpu_isa)
     result = {"prompts": args.prompts, "tokens": args.tokens, "threads": torch.get_num_threads(),
+              "cpu_isa": isa, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
               "warm_prefix_cache": args.warm_prefix_cache, "engine_runs": [round(x, 1) for x in engine_runs],
               "hf_runs": [round(x, 1) for x in hf_runs], "engine_tok_s": round(engine_tps, 1),
               "hf_tok_s": round(hf_tps, 1), "ratio": round(engine_tps / hf_tps, 2),
@@ -230,6 +241,8 @@ def _run(args) -> int:
         print("lockstep runs, engine / HF tok/s (ratio): " + ", ".join(f"{e:.1f} / {h:.1f} ({e / h:.2f}x)"
                                                                       for e, h in steps))
     cache = "warm" if args.warm_prefix_cache else "emptied before each run"
+    print(f"C kernels' instruction set: {isa} (--cpu-isa {args.cpu_isa}); torch's CPU kernels: "
+          f"{torch.backends.cpu.get_cpu_capability()}")
     print("| method | engine tok/s | HF generate tok/s | ratio | threads | prefix cache |\n|---|---|---|---|---|---|")
     print(f"| whole runs, alternating | {engine_tps:.1f} | {hf_tps:.1f} | {engine_tps / hf_tps:.2f}x | "
           f"{torch.get_num_threads()} | {cache} |")
