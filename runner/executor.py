@@ -25,7 +25,8 @@ def start_model_runner(runner: ModelRunner, config: EngineConfig, agree=min) -> 
     with runner.kernels_compiled_ahead():
         peak = runner.profile_run()
         reserve = runner.measure_graph_reserve()
-        blocks = num_kv_blocks(config, runner.kv_cache_bytes_per_block(), runner.device, peak, reserve)
+        blocks = num_kv_blocks(config, runner.kv_cache_bytes_per_block(), runner.device, peak, reserve,
+                               runner.max_model_len)
         blocks = agree(blocks)
         runner.initialize_kv_cache(blocks)
         runner.capture_cudagraphs()

@@ -30,11 +30,17 @@ from runner.cudagraph import (CUDA_GRAPHS, AddressCheck, BatchDescriptor, Captur
 from runner.graph_start_up import GraphStartUp
 from runner.input_batch import InputBatch
 from runner.outputs import ModelRunnerOutput, PendingOutput
+from runner.platform import zeroed_host_tensor
 from runner.sampling import SamplingMetadata, SamplingStage, argmax_rows
 from runner.sampling.prompt_logprobs import PromptLogprobs
 from runner.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+CPU_PROFILE_TOKENS = 2
+"""Tokens of the CPU profile run: it only has to run the no-KV-cache path once (see `profile_run`).
+Two: attention across positions, and below the row counts that count towards packing a linear's
+weight (models/layers.PACKED_MIN_ROWS), so the profile run alone never causes a pack."""
 
 
 @dataclasses.dataclass
@@ -169,8 +175,9 @@ class ModelRunner(GraphStartUp):
             torch.cuda.reset_peak_memory_stats(self.device)
             if self.cudagraph_mode != CUDAGraphMode.NONE:
                 prime_capture_stream(self.graph_factory, self.dtype)  # its cuBLAS workspace: in the peak
-        # On a CPU the KV budget is a configured byte count, so the peak is not needed: a small
-        # batch still exercises the no-KV-cache path without minutes of 8k-token attention.
+        # On a CPU the KV budget does not depend on the peak, so the peak is not needed: a small
+        # batch (CPU_PROFILE_TOKENS) still exercises the no-KV-cache path and the sampler, without
+        # seconds of start-up spent on a large prefill no request asked for.
         hidden = self._forward(*self._profile_batch(), CUDAGraphMode.NONE, None)
         if hidden is not None and self.model.model.is_last:
             logits = self.model.compute_logits(hidden[: min(self.max_num_reqs, hidden.shape[0])])
@@ -183,7 +190,7 @@ class ModelRunner(GraphStartUp):
 
     def _profile_batch(self):
         """(tokens, metadata) of the profile run: max_num_batched_tokens of prefill, no cache slots."""
-        num_tokens = self.max_num_tokens if self.device.type == "cuda" else min(self.max_num_tokens, 256)
+        num_tokens = self.max_num_tokens if self.device.type == "cuda" else min(self.max_num_tokens, CPU_PROFILE_TOKENS)
         per_req = min(self.max_model_len, num_tokens)
         lens = [per_req] * (num_tokens // per_req) + ([num_tokens % per_req] if num_tokens % per_req else [])
         lens = lens[: self.max_num_reqs]
@@ -194,7 +201,11 @@ class ModelRunner(GraphStartUp):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = (2, num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         # Zeros, not empty: inert padded rows of a graph may read block 0 and must see finite values.
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layer_range]
+        # On a CPU, zero pages mapped on first touch: resident memory follows the blocks written.
+        if self.device.type == "cpu":
+            self.kv_caches = [zeroed_host_tensor(shape, self.dtype) for _ in self.layer_range]
+        else:
+            self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layer_range]
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
                     num_blocks * self.kv_cache_bytes_per_block() / 2**20)
