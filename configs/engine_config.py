@@ -150,6 +150,9 @@ class ParallelConfig(_Config):
         default_factory=env_default("GRAPHRUNNER_PP_STEP_TIMEOUT_S", "ParallelConfig.pp_step_timeout_s", 300.0),
         ge=0, description="seconds rank 0 waits for one step's reply from live pipeline workers; 0: no limit "
                           "[GRAPHRUNNER_PP_STEP_TIMEOUT_S]")
+    threads: int | None = Field(
+        None, ge=1, description="CPU threads of torch's operators (torch.set_num_threads, set when the engine "
+                                "starts, for the whole process); None: torch's default, one per core")
 
 
 class EngineConfig(_Config):

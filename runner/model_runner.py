@@ -20,6 +20,7 @@ import torch
 from attention.backends import get_attention_backend
 from attention.forward_context import ForwardContext, get_forward_context, set_forward_context
 from configs import CUDAGraphMode, EngineConfig, SamplingParams, set_active_kernel_config
+from launch.kernel_cache import use_triton_cache
 from models.hf_config import ModelSpec
 from models.layers import screened_argmax
 from models.causal_lm import IntermediateTensors
@@ -34,6 +35,7 @@ from runner.platform import zeroed_host_tensor
 from runner.sampling import SamplingMetadata, SamplingStage, argmax_rows
 from runner.sampling.prompt_logprobs import PromptLogprobs
 from runner.scheduler import ScheduledRequest, SchedulerOutput
+from runner.start_up_times import StartUpTimes
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +82,10 @@ class ModelRunner(GraphStartUp):
                  dtype: torch.dtype, max_model_len: int, layer_range: range | None = None) -> None:
         self.config, self.spec, self.model_path = config, spec, model_path
         set_active_kernel_config(config.kernel)   # before anything below picks a kernel
+        if device.type == "cuda":   # Triton compiles into <cache_dir>/triton, beside the native builds
+            use_triton_cache(config.kernel.cache_dir)
+        if config.parallel.threads is not None:
+            torch.set_num_threads(config.parallel.threads)
         self.device, self.dtype, self.max_model_len = device, dtype, max_model_len
         self.layer_range = layer_range if layer_range is not None else range(spec.num_layers)
         self.block_size = config.cache.block_size
@@ -117,6 +123,8 @@ class ModelRunner(GraphStartUp):
         """How long `kernels_compiled_ahead` took to queue the compiles (0: not used)."""
         self.compile_wait_seconds = 0.0
         """How long leaving `kernels_compiled_ahead` waited for compiles nothing had needed yet."""
+        self.start_up_times = StartUpTimes()
+        """Seconds of each start-up phase (runner/executor.start_model_runner fills it; the engine logs it)."""
         self.capture_phase = CapturePhase()
         self.graph_factory = CUDA_GRAPHS
         """What a graph is; CPU tests of the capture state machine swap in a fake."""
