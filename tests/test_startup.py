@@ -185,3 +185,27 @@ def test_startup_bench_smoke(tmp_path, capsys):
     assert row["time_ratio"] == pytest.approx(row["engine_s"] / row["hf_s"], rel=0.01)
     printed = capsys.readouterr().out
     assert "| tokens | graphrunner generate s | HF s | time ratio |" in printed
+
+
+# ---- MKL packs only where they pay --------------------------------------------------------------
+def test_a_linear_packs_its_weight_on_its_second_batched_product_only():
+    """A pack costs the weight's memory again: a one-off product (a prefill, the profile run) and
+    1-2-row products (one-prompt decode, where packing gains nothing) never build one."""
+    from models import layers
+    if not layers._packing_enabled():
+        pytest.skip("MKL packed linear unavailable")
+    linear = layers.Linear(64, 32, bias=False)
+    packs = layers._weight_pack
+
+    def built() -> bool:
+        entry = packs._entries.get(id(linear.weight))
+        return entry is not None and entry[2] is not None
+
+    with torch.no_grad():
+        for _ in range(3):
+            linear(torch.randn(1, 64))
+            linear(torch.randn(2, 64))
+        assert not built()
+        expected = torch.nn.functional.linear(x := torch.randn(8, 64), linear.weight)
+        assert torch.equal(linear(x), expected) and not built()   # the first batched product: F.linear
+        assert torch.allclose(linear(x), expected, atol=1e-5) and built()
