@@ -17,9 +17,9 @@ EOS or after N tokens (the same greedy text: the same work; both texts are print
 
 GPU (when torch sees one, and `--gpu-shapes` is not empty): `LLM(model=<shape folder>,
 load_format="dummy")` to ready, in a fresh subprocess, for each shape of
-runner/benchmarks/model_shapes.py: once with every cache folder empty (GRAPHRUNNER_CACHE_DIR set
-to a new temporary folder: Triton's and the native builds' caches live there) and then twice
-with the caches that run filled (warm). The seconds printed come from the child's own clock
+runner/benchmarks/model_shapes.py: once with every cache folder empty (KernelConfig.cache_dir, where
+Triton's and the native builds' caches live, set to a new temporary folder) and then twice with
+the caches that run filled (warm). The seconds printed come from the child's own clock
 around `LLM(...)` plus the engine's start-up breakdown (load, profile, KV cache, compile, capture).
 
 `--smoke`: a tiny random Llama (SmolLM2's tokenizer and vocabulary, 2 layers of width 64) written
@@ -65,18 +65,18 @@ import json, sys, time
 started = time.perf_counter()
 from runner import LLM
 imported = time.perf_counter()
-llm = LLM(model=sys.argv[1], load_format="dummy", max_model_len=2048)
+llm = LLM(model=sys.argv[1], load_format="dummy", max_model_len=2048, cache_dir=sys.argv[2])
 ready = time.perf_counter()
 print("RESULT " + json.dumps({"import_s": imported - started, "llm_to_ready_s": ready - imported,
                               "breakdown": llm.engine.start_up_seconds}))
 """
 
 
-def run_child(argv: list[str], env: dict | None = None, timeout: float = 900) -> dict:
+def run_child(argv: list[str], timeout: float = 900) -> dict:
     """Run `argv` to its end; its wall seconds from spawn to exit, peak RSS (MiB, its ru_maxrss) and output."""
     started = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out:
-        child = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
+        child = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, text=True)
         deadline = started + timeout
         while True:
             pid, status, usage = os.wait4(child.pid, os.WNOHANG)
@@ -141,9 +141,8 @@ def gpu_rows(shapes: list[str], folder: Path) -> list[dict]:
     for shape in shapes:
         path = write_config(shape, folder / shape)
         with tempfile.TemporaryDirectory(prefix="graphrunner-cold-") as cache:
-            env = dict(os.environ, GRAPHRUNNER_CACHE_DIR=cache)
             for label in ("empty caches", "warm caches", "warm caches"):
-                result = run_child([sys.executable, "-c", GPU_SCRIPT, str(path)], env=env)
+                result = run_child([sys.executable, "-c", GPU_SCRIPT, str(path), cache])
                 line = next(line for line in result["output"].splitlines() if line.startswith("RESULT "))
                 rows.append({"shape": shape, "caches": label, **json.loads(line[len("RESULT "):]),
                              "process_s": result["seconds"], "peak_rss_mib": result["peak_rss_mib"]})
