@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator, model_validator
 
 from configs.env import env_default
 from configs.graph_mode import CUDAGraphMode
@@ -50,13 +50,32 @@ class ModelConfig(_Config):
         return os.fspath(value) if isinstance(value, os.PathLike) else value
 
 
+KV_CACHE_MEMORY_CAP = 4 << 30
+"""The most bytes the CPU KV-cache default takes (4 GiB): max_num_seqs sequences of max_model_len tokens
+can ask for far more (256 x 8192 tokens of SmolLM2 in fp32: 90 GiB). Less where the machine has less:
+the default is also at most a quarter of the memory available when the engine starts."""
+
+
 class CacheConfig(_Config):
     block_size: int = Field(16, ge=1, le=1024)
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
-    kv_cache_memory: int | None = Field(
-        None, ge=1, description="KV cache bytes on a CPU; None: 1/4 of free memory, at most 4 GiB")
+    kv_cache_memory: ByteSize | None = Field(
+        None, ge=1, description="KV cache bytes on a CPU, a number or with a unit (2GiB, 512MB); None: what "
+                                "max_num_seqs sequences of max_model_len tokens can use, at most 4 GiB and a "
+                                "quarter of available memory (CacheConfig.default_kv_cache_blocks)")
     num_kv_blocks: int | None = Field(None, ge=1, description="override the computed block count")
     enable_prefix_caching: bool = True
+
+    def default_kv_cache_blocks(self, bytes_per_block: int, max_model_len: int, max_num_seqs: int,
+                                available_bytes: int) -> int:
+        """The CPU KV cache's block count when `kv_cache_memory` is not given: enough for `max_num_seqs`
+        sequences of `max_model_len` tokens each (what the scheduler can ever hold at once), capped at
+        KV_CACHE_MEMORY_CAP and at a quarter of `available_bytes`; at least one sequence's worth
+        when the caps leave less (the engine could not run a full-length request otherwise).
+        Why not a share of RAM: a laptop running one prompt would reserve gigabytes it never uses."""
+        per_seq = -(-max_model_len // self.block_size)
+        cap = min(KV_CACHE_MEMORY_CAP, available_bytes // 4) // bytes_per_block
+        return max(1, min(per_seq * max_num_seqs, max(cap, per_seq)))
 
     @field_validator("block_size")
     @classmethod
@@ -131,6 +150,9 @@ class ParallelConfig(_Config):
         default_factory=env_default("GRAPHRUNNER_PP_STEP_TIMEOUT_S", "ParallelConfig.pp_step_timeout_s", 300.0),
         ge=0, description="seconds rank 0 waits for one step's reply from live pipeline workers; 0: no limit "
                           "[GRAPHRUNNER_PP_STEP_TIMEOUT_S]")
+    threads: int | None = Field(
+        None, ge=1, description="CPU threads of torch's operators (torch.set_num_threads, set when the engine "
+                                "starts, for the whole process); None: torch's default, one per core")
 
 
 class EngineConfig(_Config):

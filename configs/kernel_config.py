@@ -19,12 +19,11 @@ first use; tests change it with `using_kernel_config(...)`.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from configs.env import env_default
+from configs.env import default_home, env_default
 
 
 def _field(env: str, name: str, default: Any, description: str, kind: type | None = None, **constraints: Any) -> Any:
@@ -71,8 +70,10 @@ class KernelConfig(BaseModel):
     torch_dense_kv: bool = _field("GRAPHRUNNER_TORCH_DENSE_KV", "torch_dense_kv", True,
                                   "torch attention backend: keep a dense per-layer K/V copy instead of gathering "
                                   "the paged cache every layer [GRAPHRUNNER_TORCH_DENSE_KV]")
-    cache_dir: str = _field("GRAPHRUNNER_CACHE_DIR", "cache_dir", lambda: str(Path.home() / ".cache" / "graphrunner"),
-                            "where compiled C libraries are kept (in <cache_dir>/native) [GRAPHRUNNER_CACHE_DIR]", str)
+    cache_dir: str = _field("GRAPHRUNNER_CACHE_DIR", "cache_dir", default_home,
+                            "the one folder of every compiled-kernel cache: C libraries in <cache_dir>/native, "
+                            "Triton's kernels in <cache_dir>/triton; default $GRAPHRUNNER_HOME, else "
+                            "~/.cache/graphrunner [GRAPHRUNNER_CACHE_DIR]", str)
 
 
 _active: KernelConfig | None = None

@@ -20,6 +20,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -47,13 +48,18 @@ def compile_shared(name: str, source: str, cc: str, flags: list[str], libs: tupl
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        path = Path(tmp) / f"{name}.c"
-        path.write_text(source)
-        built = Path(tmp) / target.name
-        subprocess.run([cc, *flags, "-shared", "-fPIC", str(path), "-o", str(built), *libs],
-                       check=True, capture_output=True, text=True)
-        os.replace(built, target)     # atomic: a concurrent build leaves one whole file
+    started = time.perf_counter()
+    try:
+        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+            path = Path(tmp) / f"{name}.c"
+            path.write_text(source)
+            built = Path(tmp) / target.name
+            subprocess.run([cc, *flags, "-shared", "-fPIC", str(path), "-o", str(built), *libs],
+                           check=True, capture_output=True, text=True)
+            os.replace(built, target)     # atomic: a concurrent build leaves one whole file
+    finally:
+        global _build_seconds
+        _build_seconds += time.perf_counter() - started
     return target
 
 
@@ -128,6 +134,14 @@ def _chosen_isa(cap: str, host: tuple[str, ...]) -> str:
     logger.info("CPU kernels: instruction set %s (this CPU runs %s; KernelConfig.cpu_isa=%s)", isa,
                 ", ".join(host), cap)
     return isa
+
+
+_build_seconds = 0.0
+
+
+def build_seconds() -> float:
+    """Seconds this process has spent compiling libraries (the engine's start-up line counts them as compile)."""
+    return _build_seconds
 
 
 CPU_PREAMBLE = r"""

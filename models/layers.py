@@ -98,15 +98,23 @@ PACKED_MAX_ROWS = 64
 """Row counts up to this use the packed weight: on a 2-core Xeon (SmolLM2-135M shapes, weights
 cold as in a decode step), packed is faster than F.linear for 4-64 rows, equal for 1-2, and
 slower from 128 rows (prefill), where MKL's own packing of B is amortised."""
+PACKED_MIN_ROWS = 3
+"""Row counts below this take F.linear: packing buys nothing there (see PACKED_MAX_ROWS), and a pack
+costs the weight's memory again, so a one-prompt decode never builds one."""
+PACK_AFTER_USES = 2
+"""A weight is packed on its second product in the packed range, not its first: a one-off product (a
+short prompt's prefill, the profile run) would pay ~the weight's size in memory and its packing time
+for nothing; a step repeated with 3-64 rows (batched decode) packs on its second step."""
 _PACK_HINT_ROWS = 32
 class PerWeight:
     """A value derived from a weight tensor (an MKL pack, a bf16 copy), built by `build(weight)` on
-    first use and again whenever the weight's storage or version changes; dropped with the weight."""
+    its `after_uses`-th use (None before: the caller takes its plain path) and again whenever the
+    weight's storage or version changes; dropped with the weight."""
 
-    def __init__(self, build) -> None:
-        self.build = build
+    def __init__(self, build, after_uses: int = 1) -> None:
+        self.build, self.after_uses = build, after_uses
         self._entries: dict[int, tuple] = {}
-        """id(weight) -> (weakref to the weight, (data_ptr, version), value)."""
+        """id(weight) -> (weakref to the weight, (data_ptr, version), value, uses so far)."""
 
     def __call__(self, weight: torch.Tensor):
         try:
@@ -115,10 +123,14 @@ class PerWeight:
             key = (weight.data_ptr(), None)
         ident = id(weight)
         entry = self._entries.get(ident)
+        uses = 1
         if entry is not None and entry[0]() is weight and entry[1] == key:
-            return entry[2]
-        value = self.build(weight)
-        self._entries[ident] = (weakref.ref(weight, lambda _, ident=ident: self._entries.pop(ident, None)), key, value)
+            if entry[3] >= self.after_uses:
+                return entry[2]
+            uses = entry[3] + 1
+        value = self.build(weight) if uses >= self.after_uses else None
+        self._entries[ident] = (weakref.ref(weight, lambda _, ident=ident: self._entries.pop(ident, None)), key, value,
+                                uses)
         return value
 
 
@@ -159,7 +171,7 @@ def _build_pack(weight: torch.Tensor):
     return pack
 
 
-_weight_pack = PerWeight(_build_pack)
+_weight_pack = PerWeight(_build_pack, after_uses=PACK_AFTER_USES)
 
 
 class WeightLoadError(ValueError):
@@ -189,9 +201,9 @@ def _copy_checked(dest: torch.Tensor, loaded) -> None:
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters, same names); on a CPU, fp32 inputs of at most PACKED_MAX_ROWS
-    rows (decode steps) multiply by an MKL-packed copy of the weight, so MKL does not repack the
-    weight on every call. Bit-identical to F.linear from 16 rows on at the measured shapes; the
+    """nn.Linear (same parameters, same names); on a CPU, fp32 inputs of PACKED_MIN_ROWS to
+    PACKED_MAX_ROWS rows (batched decode steps) multiply by an MKL-packed copy of the weight, made on
+    the weight's second such product (PACK_AFTER_USES), so MKL does not repack the weight on every call. Bit-identical to F.linear from 16 rows on at the measured shapes; the
     same sum in another order (last-bit differences) below that.
 
     `weight_loader(param, loaded, shard_id)` places a checkpoint tensor into one of its
@@ -234,7 +246,7 @@ class Linear(nn.Linear):
         if kernels is not None:   # one row: the one-row GEMV streams the weight faster than cuBLAS
             return kernels.linear(x, self.weight, bias)
         rows = x.shape[0] if x.dim() == 2 else (x.numel() // x.shape[-1] if x.numel() else 0)
-        if (x.is_cuda or not 0 < rows <= PACKED_MAX_ROWS or x.dtype != torch.float32
+        if (x.is_cuda or not PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS or x.dtype != torch.float32
                 or self.weight.dtype != torch.float32 or not _packing_enabled()):
             return F.linear(x, self.weight, bias)
         pack = _weight_pack(self.weight)
@@ -560,6 +572,11 @@ class ScaledEmbedding(nn.Embedding):
     def __init__(self, num_embeddings: int, embedding_dim: int, scale: float | None = None) -> None:
         super().__init__(num_embeddings, embedding_dim)
         self.scale = scale
+
+    def reset_parameters(self) -> None:
+        """Nothing: the loader (or init_dummy_weights) writes every weight. nn.Embedding's own
+        normal_ init, on the meta device the model is built on, imports torch._dynamo (about 2 s and
+        100 MB of a CPU start-up, `python -X importtime`) to draw values nobody reads."""
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = super().forward(input_ids)

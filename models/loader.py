@@ -204,8 +204,9 @@ def load_safetensors(model: CausalLM, folder: Path, check_finite: bool = True) -
                     raise WeightLoadError(f"missing tensor {name!r} (expected shape "
                                           f"{checkpoint_shape(model, param_name, shard)}, found none): "
                                           f"the index names {file.name}, which lacks it")
-                try:
-                    _load_one(model, params, param_name, shard, handle.get_slice(name))
+                try:   # its own mapping, unmapped once copied: the file's pages never pile up resident
+                    with _open(file) as mapped:
+                        _load_one(model, params, param_name, shard, mapped.get_slice(name))
                 except WeightLoadError as error:
                     raise WeightLoadError(f"shape mismatch for {name!r} in {file.name}: {error}") from None
                 if check_finite:

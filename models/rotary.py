@@ -50,12 +50,13 @@ def _rope_init(config: PretrainedConfig, ROPE_INIT_FUNCTIONS, layer_type: str | 
         return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
     if rope_type != "default":
         raise ValueError(f"unknown rope type {rope_type!r}; transformers knows {sorted(ROPE_INIT_FUNCTIONS)}")
-    if layer_type is not None:   # HF's default formula (Gemma 3's compute_default_rope_parameters)
-        dim = int((getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-                  * params.get("partial_rotary_factor", 1.0))
-        return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-    return LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    # HF's default formula (compute_default_rope_parameters of Llama, Gemma 3, ...), written out:
+    # importing a modeling module for it would load transformers' model machinery (torch._dynamo,
+    # torch.distributed.tensor: seconds and ~150 MB of a CPU start-up, `python -X importtime`).
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    dim = int((getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+              * params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
 
 
 ROPE_SIGNED_MAX_ROWS = 64

@@ -76,8 +76,9 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         prompts = ["What is the capital of France?"]
     options = {"device": args.device, "dtype": args.dtype, "seed": args.seed, "cudagraph_mode": args.cudagraph_mode,
                "check_finite_weights": args.check_finite_weights}
-    if args.max_model_len is not None:
-        options["max_model_len"] = args.max_model_len
+    for name in ("max_model_len", "max_num_seqs", "kv_cache_memory", "threads"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
     if args.pipeline_parallel_size > 1:
         options["pipeline_parallel_size"] = args.pipeline_parallel_size
     options.update(config_options(args))
@@ -157,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE", type=str.upper,
                      choices=[m.name for m in CUDAGraphMode], help="CUDA graph mode (NONE on a CPU)")
     gen.add_argument("--max-model-len", type=int, help="longest prompt plus output; default: the model's")
+    gen.add_argument("--max-num-seqs", type=int, help="most sequences in one step (SchedulerConfig.max_num_seqs)")
+    gen.add_argument("--kv-cache-memory", metavar="BYTES",
+                     help="CPU KV cache size, e.g. 2GiB or 512MB (CacheConfig.kv_cache_memory); default: what "
+                          "max-num-seqs sequences of max-model-len tokens use, at most 4 GiB")
+    gen.add_argument("--threads", type=int, help="CPU threads of torch's operators (ParallelConfig.threads); "
+                                                 "default: one per core")
     gen.add_argument("--pipeline-parallel-size", type=int, default=1, help="processes, each with a slice of layers")
     gen.add_argument("--check-finite-weights", action=argparse.BooleanOptionalAction, default=True,
                      help="fail at load when a weight is NaN or Inf")

@@ -111,6 +111,7 @@ def eos_token_ids(path: str, spec, tokenizer) -> set[int]:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        started = time.perf_counter()
         self.config = config
         path = resolve_model_path(config.model.model)
         self.model_path = path
@@ -131,6 +132,10 @@ class LLMEngine:
         except BaseException:
             self.executor.shutdown()  # e.g. too few KV blocks: release pipeline workers at once
             raise
+        self.start_up_total_seconds = time.perf_counter() - started
+        logger.info("engine ready in %.2f s: %s; %s on %s, %d KV blocks", self.start_up_total_seconds,
+                    self.model_runner.start_up_times.line(self.start_up_total_seconds), self.spec.architecture,
+                    self.device, self.executor.num_blocks)
         self._tracked: dict[str, RequestState] = {}
         """Unfinished requests by id (children of an `n` > 1 request by their own ids)."""
         self._parents: dict[str, ParentRequest] = {}
@@ -155,6 +160,12 @@ class LLMEngine:
             return PipelineExecutor(*args)
         from runner.executor import UniProcExecutor
         return UniProcExecutor(*args)
+
+    @property
+    def start_up_seconds(self) -> dict[str, float]:
+        """Seconds of each start-up phase (load, profile, kv_cache, compile, capture) and `total`
+        (runner/start_up_times.py), as the ready line logs them."""
+        return {**self.model_runner.start_up_times.seconds, "total": self.start_up_total_seconds}
 
     @property
     def model_runner(self):

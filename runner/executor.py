@@ -21,14 +21,21 @@ def start_model_runner(runner: ModelRunner, config: EngineConfig, agree=min) -> 
     reserve, size and allocate the cache, capture; all but the load with their Triton kernels
     compiled ahead, in parallel (`kernels_compiled_ahead`). `agree` reduces the block count
     across pipeline ranks (every rank must allocate the same number). Returns the block count."""
-    runner.load_model()
+    times = runner.start_up_times
+    with times.phase("load"):
+        runner.load_model()
     with runner.kernels_compiled_ahead():
-        peak = runner.profile_run()
-        reserve = runner.measure_graph_reserve()
-        blocks = num_kv_blocks(config, runner.kv_cache_bytes_per_block(), runner.device, peak, reserve)
-        blocks = agree(blocks)
-        runner.initialize_kv_cache(blocks)
-        runner.capture_cudagraphs()
+        with times.phase("profile"):
+            peak = runner.profile_run()
+            reserve = runner.measure_graph_reserve()
+        with times.phase("kv_cache"):
+            blocks = num_kv_blocks(config, runner.kv_cache_bytes_per_block(), runner.device, peak, reserve,
+                                   runner.max_model_len)
+            blocks = agree(blocks)
+            runner.initialize_kv_cache(blocks)
+        with times.phase("capture"):
+            runner.capture_cudagraphs()
+    times.add("compile", runner.precompile_seconds + runner.compile_wait_seconds)
     return blocks
 
 

@@ -20,6 +20,7 @@ import torch
 from attention.backends import get_attention_backend
 from attention.forward_context import ForwardContext, get_forward_context, set_forward_context
 from configs import CUDAGraphMode, EngineConfig, SamplingParams, set_active_kernel_config
+from launch.kernel_cache import use_triton_cache
 from models.hf_config import ModelSpec
 from models.layers import screened_argmax
 from models.causal_lm import IntermediateTensors
@@ -30,11 +31,18 @@ from runner.cudagraph import (CUDA_GRAPHS, AddressCheck, BatchDescriptor, Captur
 from runner.graph_start_up import GraphStartUp
 from runner.input_batch import InputBatch
 from runner.outputs import ModelRunnerOutput, PendingOutput
+from runner.platform import zeroed_host_tensor
 from runner.sampling import SamplingMetadata, SamplingStage, argmax_rows
 from runner.sampling.prompt_logprobs import PromptLogprobs
 from runner.scheduler import ScheduledRequest, SchedulerOutput
+from runner.start_up_times import StartUpTimes
 
 logger = logging.getLogger(__name__)
+
+CPU_PROFILE_TOKENS = 2
+"""Tokens of the CPU profile run: it only has to run the no-KV-cache path once (see `profile_run`).
+Two: attention across positions, and below the row counts that count towards packing a linear's
+weight (models/layers.PACKED_MIN_ROWS), so the profile run alone never causes a pack."""
 
 
 @dataclasses.dataclass
@@ -74,6 +82,10 @@ class ModelRunner(GraphStartUp):
                  dtype: torch.dtype, max_model_len: int, layer_range: range | None = None) -> None:
         self.config, self.spec, self.model_path = config, spec, model_path
         set_active_kernel_config(config.kernel)   # before anything below picks a kernel
+        if device.type == "cuda":   # Triton compiles into <cache_dir>/triton, beside the native builds
+            use_triton_cache(config.kernel.cache_dir)
+        if config.parallel.threads is not None:
+            torch.set_num_threads(config.parallel.threads)
         self.device, self.dtype, self.max_model_len = device, dtype, max_model_len
         self.layer_range = layer_range if layer_range is not None else range(spec.num_layers)
         self.block_size = config.cache.block_size
@@ -111,6 +123,8 @@ class ModelRunner(GraphStartUp):
         """How long `kernels_compiled_ahead` took to queue the compiles (0: not used)."""
         self.compile_wait_seconds = 0.0
         """How long leaving `kernels_compiled_ahead` waited for compiles nothing had needed yet."""
+        self.start_up_times = StartUpTimes()
+        """Seconds of each start-up phase (runner/executor.start_model_runner fills it; the engine logs it)."""
         self.capture_phase = CapturePhase()
         self.graph_factory = CUDA_GRAPHS
         """What a graph is; CPU tests of the capture state machine swap in a fake."""
@@ -170,8 +184,9 @@ class ModelRunner(GraphStartUp):
             torch.cuda.reset_peak_memory_stats(self.device)
             if self.cudagraph_mode != CUDAGraphMode.NONE:
                 prime_capture_stream(self.graph_factory, self.dtype)  # its cuBLAS workspace: in the peak
-        # On a CPU the KV budget is a configured byte count, so the peak is not needed: a small
-        # batch still exercises the no-KV-cache path without minutes of 8k-token attention.
+        # On a CPU the KV budget does not depend on the peak, so the peak is not needed: a small
+        # batch (CPU_PROFILE_TOKENS) still exercises the no-KV-cache path and the sampler, without
+        # seconds of start-up spent on a large prefill no request asked for.
         hidden = self._forward(*self._profile_batch(), CUDAGraphMode.NONE, None)
         if hidden is not None and self.model.model.is_last:
             logits = self.model.compute_logits(hidden[: min(self.max_num_reqs, hidden.shape[0])])
@@ -184,7 +199,7 @@ class ModelRunner(GraphStartUp):
 
     def _profile_batch(self):
         """(tokens, metadata) of the profile run: max_num_batched_tokens of prefill, no cache slots."""
-        num_tokens = self.max_num_tokens if self.device.type == "cuda" else min(self.max_num_tokens, 256)
+        num_tokens = self.max_num_tokens if self.device.type == "cuda" else min(self.max_num_tokens, CPU_PROFILE_TOKENS)
         per_req = min(self.max_model_len, num_tokens)
         lens = [per_req] * (num_tokens // per_req) + ([num_tokens % per_req] if num_tokens % per_req else [])
         lens = lens[: self.max_num_reqs]
@@ -195,7 +210,11 @@ class ModelRunner(GraphStartUp):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = (2, num_blocks, self.block_size, self.model.num_local_kv_heads, self.spec.head_dim)
         # Zeros, not empty: inert padded rows of a graph may read block 0 and must see finite values.
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layer_range]
+        # On a CPU, zero pages mapped on first touch: resident memory follows the blocks written.
+        if self.device.type == "cpu":
+            self.kv_caches = [zeroed_host_tensor(shape, self.dtype) for _ in self.layer_range]
+        else:
+            self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layer_range]
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
                     num_blocks * self.kv_cache_bytes_per_block() / 2**20)

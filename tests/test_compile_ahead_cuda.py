@@ -1,7 +1,7 @@
 """compile_ahead on a GPU: on an empty Triton cache, every kernel the start-up compiles was queued
 ahead (by `kernels_compiled_ahead`'s forwards), none at its first launch.
 
-Runs the start-up in a fresh process with its own empty TRITON_CACHE_DIR (in this process the
+Runs the start-up in a fresh process with its own empty kernel cache folder (KernelConfig.cache_dir) (in this process the
 kernels are long compiled), with a fixed KV block count: a budget from gpu_memory_utilization
 would count the memory this test process still holds. Every compile inside compile_ahead is submitted through Triton's
 AsyncCompileMode.submit, which is wrapped to record, per submit, whether launches were being
@@ -11,7 +11,6 @@ and gets the pending compile: "again"); Triton's cache hook, called just before,
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,7 +44,8 @@ AsyncCompileMode.submit = recording_submit
 
 llm = LLM(model=str(write_config("smollm2-135m", {tmp!r})), load_format="dummy", dtype="bfloat16",
           cudagraph_mode="FULL_AND_PIECEWISE", num_kv_blocks=4096, max_model_len=2048,
-          compile_threads=None)   # one thread per CPU up to 16, whatever the environment says
+          compile_threads=None,   # one thread per CPU up to 16, whatever the environment says
+          cache_dir={cache!r})    # Triton compiles into <cache_dir>/triton: empty here
 runner = llm.engine.model_runner
 print("COUNTS " + json.dumps({{"asked": asked, "queue_s": round(runner.precompile_seconds, 2),
                               "wait_s": round(runner.compile_wait_seconds, 2),
@@ -55,9 +55,8 @@ print("COUNTS " + json.dumps({{"asked": asked, "queue_s": round(runner.precompil
 
 
 def test_start_up_compiles_every_kernel_ahead(tmp_path):
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))
-    script = SCRIPT.format(root=str(ROOT), tmp=str(tmp_path))
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    script = SCRIPT.format(root=str(ROOT), tmp=str(tmp_path), cache=str(tmp_path / "kernel-cache"))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout.split("COUNTS ", 1)[1])
     for how, new, name in result["asked"]:

@@ -13,7 +13,7 @@ estimate the KV budget subtracted (the largest graph of each runtime mode captur
 throwaway pool), with their ratio; also the growth after the first graph alone and the device-wide
 growth (driver allocations included).
 
---cold points Triton at an empty cache directory first, as on a fresh machine: the first mode's
+--cold points the kernel caches (KernelConfig.cache_dir: Triton's and the native builds') at an empty folder first, as on a fresh machine: the first mode's
 start-up and capture then include compiling every kernel (later modes reuse them, as a second
 engine in one process would). --serve N runs N requests (prompts of 100-1000 random tokens, 64
 new tokens each, ignore_eos) through each engine after start-up and reports the peak memory
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
-import os
 import pstats
 import random
 import sys
@@ -70,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("graphrunner bench capture needs a CUDA GPU (torch sees none)")
-    if args.cold:
-        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")
+    # --cold: every compiled-kernel cache (Triton's, the native builds') in an empty folder
+    cache = {"cache_dir": tempfile.mkdtemp(prefix="graphrunner-cold-")} if args.cold else {}
     from runner import LLM
     rows = []
     with tempfile.TemporaryDirectory() as folder:
@@ -82,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             if profiler is not None:
                 profiler.enable()
             llm = LLM(model=str(path), load_format="dummy", dtype="bfloat16", cudagraph_mode=mode,
-                      gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=2048)
+                      gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=2048, **cache)
             if profiler is not None:
                 profiler.disable()
                 pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.profile)

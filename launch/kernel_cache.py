@@ -1,0 +1,41 @@
+"""Where compiled kernels are kept: every cache under one folder, KernelConfig.cache_dir.
+
+    <cache_dir>/native   C libraries built by launch/native_build.py (CPU kernels, the step graph's driver calls)
+    <cache_dir>/triton   Triton's compiled kernels (what compile-ahead fills at start-up) and its driver stubs
+
+cache_dir defaults to $GRAPHRUNNER_HOME (else ~/.cache/graphrunner), where the embedded checkpoint is
+built too, so one variable moves, or empties, everything graphrunner writes; GRAPHRUNNER_CACHE_DIR
+moves the caches alone.
+
+Two processes may fill one folder at once (two engines starting on one machine, a test suite run in
+parallel): every file appears whole or not at all. A native build compiles in a private temporary
+folder and renames the finished library into place (`compile_shared`; os.replace is atomic, and a
+process that already loaded the other copy keeps its mapping); Triton's FileCacheManager writes each
+file the same way. tests/test_kernel_cache.py starts two processes on one empty folder at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def triton_dir(cache_dir: str | Path) -> Path:
+    return Path(cache_dir) / "triton"
+
+
+def use_triton_cache(cache_dir: str | Path) -> Path | None:
+    """Point Triton's kernel cache of this process at <cache_dir>/triton (through triton.knobs, which
+    takes precedence over Triton's own TRITON_CACHE_DIR); None where Triton is not installed or has
+    no knobs (then its default, ~/.triton/cache, stays)."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    path = triton_dir(cache_dir)
+    if knobs.cache.dir != str(path):
+        knobs.cache.dir = str(path)
+        logger.info("Triton's kernel cache: %s", path)
+    return path

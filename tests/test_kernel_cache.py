@@ -1,0 +1,100 @@
+"""Every kernel cache lives under KernelConfig.cache_dir, and two processes filling it at once both
+succeed and both get whole files: the same native library built by two processes together, and the
+same Triton cache entry written by two processes together."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from configs import EngineConfig, KernelConfig
+from launch.kernel_cache import triton_dir, use_triton_cache
+from launch.native_build import compiler
+
+REPO = Path(__file__).resolve().parents[1]
+
+NATIVE_CHILD = r"""
+import ctypes, sys, time
+from pathlib import Path
+from launch.native_build import compile_shared, compiler
+out_dir, start_at = Path(sys.argv[1]), float(sys.argv[2])
+source = "int gr_answer(int x) { return 6 * x; }\n"
+while time.time() < start_at:   # both processes start the build at the same moment
+    time.sleep(0.001)
+path = compile_shared("concurrent_probe", source, compiler(), ["-O2"], out_dir=out_dir)
+lib = ctypes.CDLL(str(path))
+lib.gr_answer.argtypes, lib.gr_answer.restype = [ctypes.c_int], ctypes.c_int
+print("ANSWER", lib.gr_answer(7), path.name)
+"""
+
+TRITON_CHILD = r"""
+import sys, time
+from launch.kernel_cache import use_triton_cache
+cache_dir, start_at, payload = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+use_triton_cache(cache_dir)
+from triton.runtime.cache import get_cache_manager
+manager = get_cache_manager("ab" * 32)
+data = (payload * 4096).encode()
+while time.time() < start_at:
+    time.sleep(0.001)
+for _ in range(50):
+    manager.put(data, "kernel.bin")
+    got = open(manager.get_file("kernel.bin"), "rb").read()
+    assert len(got) == len(data) and got in (b"A" * 4096, b"B" * 4096), len(got)
+print("OK", manager.cache_dir)
+"""
+
+
+def _run_together(script: str, argv_each: list[list[str]]) -> list[str]:
+    start_at = f"{time.time() + 3.0:.3f}"   # time for both interpreters to import before the common start
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    children = [subprocess.Popen([sys.executable, "-c", script, argv[0], start_at, *argv[1:]], cwd=REPO, env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for argv in argv_each]
+    outputs = []
+    for child in children:
+        out, err = child.communicate(timeout=300)
+        assert child.returncode == 0, err[-3000:]
+        outputs.append(out)
+    return outputs
+
+
+@pytest.mark.skipif(compiler() is None, reason="needs a C compiler")
+def test_two_processes_building_one_native_library_both_get_it_whole(tmp_path):
+    out_dir = tmp_path / "native"
+    outputs = _run_together(NATIVE_CHILD, [[str(out_dir)], [str(out_dir)]])
+    answers = [line.split() for out in outputs for line in out.splitlines() if line.startswith("ANSWER")]
+    assert [a[1] for a in answers] == ["42", "42"]
+    assert answers[0][2] == answers[1][2]                    # one library, found by the same hash
+    assert [p.name for p in out_dir.iterdir()] == [answers[0][2]]   # no temporary folder left behind
+
+
+def test_two_processes_writing_one_triton_cache_entry_both_read_it_whole(tmp_path):
+    pytest.importorskip("triton")
+    outputs = _run_together(TRITON_CHILD, [[str(tmp_path), "A"], [str(tmp_path), "B"]])
+    assert all(out.startswith("OK ") for out in outputs)
+    assert all(str(triton_dir(tmp_path)) in out for out in outputs)
+    leftovers = [p for p in triton_dir(tmp_path).rglob("tmp.*")]
+    assert not leftovers
+
+
+@pytest.mark.skipif("GRAPHRUNNER_CACHE_DIR" in os.environ, reason="the caches were moved on their own")
+def test_every_cache_defaults_to_one_folder_the_user_sets(tmp_path):
+    """cache_dir (native builds, Triton) is GRAPHRUNNER_HOME's folder unless GRAPHRUNNER_CACHE_DIR moves it alone."""
+    config = EngineConfig.from_kwargs(model="m")
+    assert config.kernel.cache_dir == config.model.download_dir
+    assert KernelConfig(cache_dir=str(tmp_path / "c")).cache_dir == str(tmp_path / "c")
+
+
+def test_triton_compiles_into_the_cache_dir(tmp_path):
+    knobs = pytest.importorskip("triton").knobs
+    previous = knobs.cache.dir
+    try:
+        assert use_triton_cache(tmp_path) == tmp_path / "triton"
+        assert knobs.cache.dir == str(tmp_path / "triton")
+    finally:
+        knobs.cache.dir = previous
