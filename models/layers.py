@@ -30,6 +30,7 @@ from torch import nn
 
 from configs.kernel_config import active_kernel_config
 from models import cpu_kernels
+from models.weight_copy import copy_weight
 
 
 def _fused_kernels():
@@ -179,7 +180,7 @@ def loaded_shape(loaded) -> tuple[int, ...]:
 def _copy_checked(dest: torch.Tensor, loaded) -> None:
     if loaded_shape(loaded) != tuple(dest.shape):
         raise WeightLoadError(f"expected {tuple(dest.shape)}, found {loaded_shape(loaded)}")
-    dest.copy_(loaded if isinstance(loaded, torch.Tensor) else loaded[:])
+    copy_weight(dest, loaded if isinstance(loaded, torch.Tensor) else loaded[:])
 
 
 class Linear(nn.Linear):
