@@ -233,9 +233,11 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
 
 def allocate_model(spec: ModelSpec, *, device: torch.device, dtype: torch.dtype,
-                   layer_range: range | None = None, max_positions: int | None = None) -> CausalLM:
+                   layer_range: range | None = None, max_positions: int | None = None,
+                   huge_pages: bool = True) -> CausalLM:
     """The module on `device` in `dtype`, parameters allocated but not written (on a CPU in one
-    huge-page mapping, models/param_arena.py), buffers computed."""
+    huge-page mapping, models/param_arena.py, unless `huge_pages=False`: torch's allocator, which
+    `graphrunner bench load` compares), buffers computed."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -244,7 +246,7 @@ def allocate_model(spec: ModelSpec, *, device: torch.device, dtype: torch.dtype,
     finally:
         torch.set_default_dtype(default_dtype)
     model.to_empty(device=device)
-    if device.type == "cpu":
+    if device.type == "cpu" and huge_pages:
         place_parameters_in_arena(model)
     model.reset_buffers()
     return model

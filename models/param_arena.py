@@ -1,11 +1,13 @@
 """On a CPU, every parameter of a model placed in one anonymous mapping backed by huge pages.
 
 Why: loading copies each checkpoint tensor into freshly allocated parameter memory, and the
-first write to each 4 KiB page of it is a page fault. For the 538 MB embedded checkpoint that is
-131,000 faults, which cost more than the copy itself on a virtual machine. One mapping advised
-`MADV_HUGEPAGE` takes 2 MiB pages where the kernel has them (transparent huge pages in
-"madvise" or "always" mode): about 400 faults. Measured by `graphrunner bench load --device cpu`
-(docs/PERFORMANCE.md). Where huge pages are off, the mapping still works, with 4 KiB pages.
+first write to each 4 KiB page of it is a page fault: 137,000 for the 538 MB embedded checkpoint,
+which on a virtual machine cost more than the copy itself. One mapping advised `MADV_HUGEPAGE`
+takes 2 MiB pages where the kernel has them (transparent huge pages in "madvise" or "always"
+mode): 6,500 faults for the whole load (`graphrunner bench load`, which also times the same load
+into 4 KiB pages; docs/PERFORMANCE.md). A kernel short of free huge pages may compact memory
+first (THP defrag), which can cost what the faults saved: compare both there. Where huge pages
+are off, the mapping still works, with 4 KiB pages.
 
 Parameters become views of the mapping (64-byte aligned, one per parameter, tied ones once); the
 mapping is unmapped when the last of them is freed. Values are left as they were allocated

@@ -165,6 +165,6 @@ def test_bench_load_reports_load_beside_cat(tmp_path, capsys):
     assert "warm page cache" in printed and "cat > /dev/null" in printed and "% of cat" in printed
     result = json.loads((tmp_path / "out" / "load.json").read_text())["results"][0]
     assert result["dtype"] == "bfloat16" and result["bytes"] > 20e6
-    for key in ("cat", "load", "load_unchecked"):
+    for key in ("cat", "load", "load_unchecked", "load_small_pages"):
         assert result[key]["best_gb_s"] > 0 and result[key]["best_s"] > 0
     assert result["load"]["fraction_of_cat"] == pytest.approx(result["load"]["best_gb_s"] / result["cat"]["best_gb_s"])

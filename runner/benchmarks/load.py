@@ -8,7 +8,8 @@ and one random checkpoint of a model shape written into a temporary folder, abou
 bfloat16 by default), it times `cat` of the checkpoint's safetensors files, then the engine's
 `load_safetensors` (map, copy into freshly allocated parameters, NaN/Inf check) with the check on
 (the engine default) and off; on a GPU also with plain pageable copies instead of the pinned staging
-(models/weight_copy.py). Every figure is the checkpoint's bytes over the best of `--repeats`
+(models/weight_copy.py), on a CPU also into parameters from torch's allocator (4 KiB pages)
+instead of the huge-page mapping (models/param_arena.py). Every figure is the checkpoint's bytes over the best of `--repeats`
 timings, with the median beside it, plus the process CPU seconds and page faults of the best
 load (on a busy machine CPU time is the steadier figure).
 
@@ -86,7 +87,8 @@ def time_cat(files: list[Path], repeats: int) -> list[dict]:
     return runs
 
 
-def time_load(folder: Path, device, dtype, repeats: int, check_finite: bool, pinned_staging: bool | None) -> list[dict]:
+def time_load(folder: Path, device, dtype, repeats: int, check_finite: bool, pinned_staging: bool | None,
+              huge_pages: bool = True) -> list[dict]:
     """models/loader.py's load_safetensors into freshly allocated parameters (allocate_model, not
     timed: it is the same with or without a checkpoint), `repeats` times, each model freed before
     the next."""
@@ -97,7 +99,7 @@ def time_load(folder: Path, device, dtype, repeats: int, check_finite: bool, pin
     spec = model_spec(load_hf_config(folder))
     runs = []
     for _ in range(repeats):
-        model = allocate_model(spec, device=device, dtype=dtype)
+        model = allocate_model(spec, device=device, dtype=dtype, huge_pages=huge_pages)
         wall, cpu, faults = _usage()
         load_safetensors(model, folder, check_finite=check_finite, pinned_staging=pinned_staging)
         if device.type == "cuda":
@@ -129,11 +131,13 @@ def measure(folder: Path, device, repeats: int) -> dict:
     result = {"checkpoint": str(folder), "files": len(files), "bytes": nbytes,
               "dtype": str(dtype).removeprefix("torch."), "device": str(device),
               "cat": _summary(nbytes, time_cat(files, repeats))}
-    variants = {"load": (True, None), "load_unchecked": (False, None)}
+    variants = {"load": (True, None, True), "load_unchecked": (False, None, True)}
     if device.type == "cuda":
-        variants["load_pageable"] = (True, False)
-    for key, (check, staging) in variants.items():
-        result[key] = _summary(nbytes, time_load(folder, device, dtype, repeats, check, staging))
+        variants["load_pageable"] = (True, False, True)
+    else:
+        variants["load_small_pages"] = (True, None, False)
+    for key, (check, staging, huge_pages) in variants.items():
+        result[key] = _summary(nbytes, time_load(folder, device, dtype, repeats, check, staging, huge_pages))
         result[key]["fraction_of_cat"] = result[key]["best_gb_s"] / result["cat"]["best_gb_s"]
     return result
 
@@ -144,7 +148,7 @@ def report(result: dict) -> str:
              f"-> {result['device']}, warm page cache (dropping it needs root):",
              f"  cat > /dev/null         {cat['best_gb_s']:7.2f} GB/s (median {cat['median_gb_s']:.2f})"]
     names = {"load": "load (engine, checked)", "load_unchecked": "load, no NaN/Inf check",
-             "load_pageable": "load, pageable copies"}
+             "load_pageable": "load, pageable copies", "load_small_pages": "load, 4 KiB pages"}
     for key, name in names.items():
         if key in result:
             run = result[key]
