@@ -185,9 +185,8 @@ def load_safetensors(model: CausalLM, folder: Path, check_finite: bool = True,
     for file, names in sorted(by_file.items()):
         if not file.is_file():
             raise CheckpointError(f"checkpoint file {str(file)!r} named in the index does not exist")
-        mapped = MappedSafetensors(file)
-        present = mapped.header
-        with staged_copies(stager):
+        with MappedSafetensors(file) as mapped, staged_copies(stager):
+            present = mapped.header
             for name in names:
                 target = _target(model, name)
                 if target is None:
