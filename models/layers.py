@@ -38,6 +38,7 @@ from torch import nn
 from configs.kernel_config import active_kernel_config
 from models import cpu_kernels
 from models.parallel_state import shard_heads, shard_size, tensor_parallel_all_reduce, tensor_parallel_group
+from models.weight_copy import copy_weight
 
 
 def _fused_kernels():
@@ -197,7 +198,7 @@ def loaded_shape(loaded) -> tuple[int, ...]:
 def _copy_checked(dest: torch.Tensor, loaded) -> None:
     if loaded_shape(loaded) != tuple(dest.shape):
         raise WeightLoadError(f"expected {tuple(dest.shape)}, found {loaded_shape(loaded)}")
-    dest.copy_(loaded if isinstance(loaded, torch.Tensor) else loaded[:])
+    copy_weight(dest, loaded if isinstance(loaded, torch.Tensor) else loaded[:])
 
 
 class Linear(nn.Linear):

@@ -7,7 +7,9 @@ that the receiving loader reads (all of it, or a tensor-parallel rank's rows or 
 nano-vllm pattern): the layer knows its own layout, so packed q/k/v (shard ids "q", "k", "v"),
 packed gate/up (0, 1) and tensors stored already fused (Phi-3's qkv_proj and gate_up_proj, shard id
 None) are one mechanism. HF names map to ours one to one except where the family's
-`packed_modules` names a packed target. The weights never exist twice in memory.
+`packed_modules` names a packed target. The weights never exist twice in memory: the one copy
+goes from the mapped file into the parameter (on a CPU, parameters live in one huge-page mapping,
+models/param_arena.py; to a GPU, through pinned buffers, models/weight_copy.py).
 
 Damage fails here, not as garbage text later: each file's header is checked against its size
 (models/safetensors_file.py), a missing tensor or a wrong shape is named with the expected and
@@ -34,8 +36,10 @@ from torch import nn
 from models.causal_lm import CausalLM
 from models.hf_config import CheckpointError, ModelSpec
 from models.layers import OffsetRMSNorm, WeightLoadError, default_weight_loader
+from models.param_arena import place_parameters_in_arena
 from models.registry import model_class
 from models.safetensors_file import DamagedCheckpointError, read_safetensors_header
+from models.weight_copy import PinnedStager, staged_copies
 
 logger = logging.getLogger(__name__)
 
@@ -177,11 +181,17 @@ def _load_one(model: CausalLM, params: dict, param_name: str, shard, tensor) -> 
 
 
 @torch.no_grad()
-def load_safetensors(model: CausalLM, folder: Path, check_finite: bool = True) -> None:
+def load_safetensors(model: CausalLM, folder: Path, check_finite: bool = True,
+                     pinned_staging: bool | None = None) -> None:
     """Walk the checkpoint once; every tensor goes to its parameter's weight_loader
-    (`check_finite`: then fail on NaN/Inf in what was loaded, naming the tensor)."""
+    (`check_finite`: then fail on NaN/Inf in what was loaded, naming the tensor;
+    `pinned_staging`: copy to a GPU through pinned buffers, models/weight_copy.py; None: on a GPU)."""
     files = checkpoint_tensor_files(folder)
     params = dict(model.named_parameters())
+    device = next(iter(params.values())).device if params else torch.device("cpu")
+    if pinned_staging is None:
+        pinned_staging = device.type == "cuda"
+    stager = PinnedStager(device) if pinned_staging else None
     expected, loaded = _expected(model), set()
     finite = _FiniteCheck()
     by_file: dict[Path, list[str]] = {}
@@ -190,8 +200,8 @@ def load_safetensors(model: CausalLM, folder: Path, check_finite: bool = True) -
     for file, names in sorted(by_file.items()):
         if not file.is_file():
             raise CheckpointError(f"checkpoint file {str(file)!r} named in the index does not exist")
-        present = set(read_safetensors_header(file))
-        with _open(file) as handle:
+        with staged_copies(stager):
+            present = read_safetensors_header(file)
             for name in names:
                 target = _target(model, name)
                 if target is None:
@@ -237,11 +247,12 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             param.normal_(0.0, 0.02, generator=generator)
 
 
-def build_model(spec: ModelSpec, folder: str | Path, *, device: torch.device, dtype: torch.dtype,
-                load_format: str = "auto", layer_range: range | None = None,
-                max_positions: int | None = None, seed: int = 0, check_finite: bool = True) -> CausalLM:
-    """Allocate the module on `device` in `dtype` without initialising it, then fill it
-    (`check_finite`: fail on NaN/Inf in the checkpoint's tensors)."""
+def allocate_model(spec: ModelSpec, *, device: torch.device, dtype: torch.dtype,
+                   layer_range: range | None = None, max_positions: int | None = None,
+                   huge_pages: bool = True) -> CausalLM:
+    """The module on `device` in `dtype`, parameters allocated but not written (on a CPU in one
+    huge-page mapping, models/param_arena.py, unless `huge_pages=False`: torch's allocator, which
+    `graphrunner bench load` compares), buffers computed."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -250,12 +261,25 @@ def build_model(spec: ModelSpec, folder: str | Path, *, device: torch.device, dt
     finally:
         torch.set_default_dtype(default_dtype)
     model.to_empty(device=device)
+    if device.type == "cpu" and huge_pages:
+        place_parameters_in_arena(model)
     model.reset_buffers()
+    return model
+
+
+def build_model(spec: ModelSpec, folder: str | Path, *, device: torch.device, dtype: torch.dtype,
+                load_format: str = "auto", layer_range: range | None = None,
+                max_positions: int | None = None, seed: int = 0, check_finite: bool = True,
+                pinned_staging: bool | None = None) -> CausalLM:
+    """Allocate the module on `device` in `dtype` without initialising it, then fill it
+    (`check_finite`: fail on NaN/Inf in the checkpoint's tensors; `pinned_staging`: see
+    load_safetensors)."""
+    model = allocate_model(spec, device=device, dtype=dtype, layer_range=layer_range, max_positions=max_positions)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
         try:
-            load_safetensors(model, Path(folder), check_finite)
+            load_safetensors(model, Path(folder), check_finite, pinned_staging)
         except (WeightLoadError, DamagedCheckpointError) as error:
             from models.embedded import rebuild_hint_for
             hint = rebuild_hint_for(Path(folder))

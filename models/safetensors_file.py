@@ -16,6 +16,8 @@ import math
 import struct
 from pathlib import Path
 
+import torch
+
 _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
                 "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
                 "C64": 8}
@@ -70,3 +72,10 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
         raise damaged(f"{kind}: size mismatch, the header's offsets need a data section of {end_max} bytes, "
                       f"the file holds {data_len}")
     return header
+
+
+TORCH_DTYPES = {  # safetensors dtype name -> torch dtype
+                "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
+                "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32,
+                "F32": torch.float32, "I64": torch.int64, "U64": torch.uint64, "F64": torch.float64,
+                "C64": torch.complex64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}

@@ -104,6 +104,12 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_drains = 0
         """schedule() calls that returned None: a preemption waited for the step in flight."""
+        self.num_scheduled_steps = 0
+        self.num_kv_tokens_attended = 0
+        """Summed over scheduled steps: the KV entries its attention reads (every scheduled
+        request's context after the step, its new tokens included). With num_scheduled_steps it
+        gives a workload's memory-bandwidth bound (`graphrunner bench throughput`); two integer
+        additions per request, no device work."""
         self._arrival = itertools.count()
         self._priority: dict[str, int] = {}
         self._steps: deque[_Step] = deque()
@@ -186,7 +192,7 @@ class Scheduler:
 
         running, kv, index, async_scheduling = self.running, self.kv, 0, self.async_scheduling
         make_entry = self._entry_async if async_scheduling else self._entry
-        placeholders = num_inflight = 0
+        placeholders = num_inflight = attended = 0
         while index < len(running) and budget > 0:
             request = running[index]
             if async_scheduling:
@@ -219,6 +225,7 @@ class Scheduler:
                     prev_token_rows.append(self.config.max_num_batched_tokens - budget)
                     prev_sample_rows.append(request.placeholder_row)
                 scheduled.append(make_entry(step, request, num_new, num_tokens, placeholders))
+                attended += request.num_computed_tokens + num_inflight + num_new
                 budget -= num_new
                 index += 1
                 continue
@@ -254,11 +261,14 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: self._priority[r.request_id])
             scheduled.append(make_entry(step, request, num_new, num_tokens, 0))
+            attended += num_cached + num_new
             budget -= num_new
         self.waiting.extendleft(reversed(compiling))
 
         if scheduled:
             steps.append(step)
+            self.num_scheduled_steps += 1
+            self.num_kv_tokens_attended += attended
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted, finished,
                                prev_token_rows, prev_sample_rows)
@@ -412,4 +422,6 @@ class Scheduler:
                 "kv_cache_usage": self.kv.usage, "prefix_cache_hit_rate": self.kv.prefix_cache_hit_rate,
                 "prefix_cache_queries": self.kv.prefix_cache_queries,
                 "prefix_cache_hits": self.kv.prefix_cache_hits, "num_preemptions": self.num_preemptions,
-                "num_drains": self.num_drains, "num_allocated_blocks": self.kv.pool.num_allocated}
+                "num_drains": self.num_drains, "num_allocated_blocks": self.kv.pool.num_allocated,
+                "num_scheduled_steps": self.num_scheduled_steps,
+                "num_kv_tokens_attended": self.num_kv_tokens_attended}

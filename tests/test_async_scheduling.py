@@ -23,7 +23,7 @@ import runner.kv_cache_manager as kv_cache_manager
 from configs import EngineConfig, SamplingParams
 from runner.request import RequestStatus
 from runner.scheduler import PLACEHOLDER_TOKEN_ID, Scheduler
-from test_scheduler import BS, EOS, FakeRunner, make_request, reference
+from test_scheduler import BS, EOS, FakeRunner, assert_attention_counts, make_request, reference
 
 
 def make_async_scheduler(num_blocks=64, budget=64, max_seqs=8, caching=True, max_model_len=64):
@@ -272,6 +272,7 @@ def test_random_async_workloads_match_reference(prompts, num_blocks, budget, max
         assert r.output_token_ids == expected
         assert r.num_inflight_tokens == 0 or r.is_finished
     assert sched.kv.num_free_blocks == num_blocks and sched.kv.usage == 0.0
+    assert_attention_counts(sched, driver.outputs)
 
 
 def test_input_batch_fills_placeholders_from_the_previous_tokens():

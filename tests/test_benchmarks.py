@@ -32,7 +32,30 @@ def test_throughput_cpu_small_runs_and_reports_positive_rates(tmp_path, capsys):
     assert result["seconds"] > 0 and result["output_tok_s"] > 0
     assert result["total_tok_s"] > result["output_tok_s"]
     assert json.loads(out.read_text()) == result
-    assert "output" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "output" in printed and "bandwidth bound:" in printed and "x the bound" in printed
+    bound = result["bound"]
+    # Every request's prompt is prefilled and each output token but the last is fed back: the
+    # attention reads at least the final context of every request once, in its last step.
+    assert bound["steps"] >= max(p.max_tokens for p in params)
+    assert bound["kv_tokens_attended"] > sum(len(p) + sp.max_tokens - 1 for p, sp in zip(prompts, params))
+    assert bound["bandwidth_bytes_per_s"] > 0 and 0 < bound["bound_s"] and bound["bound_fraction"] > 0
+    assert bound["bound_fraction"] == pytest.approx(bound["bound_s"] / result["seconds"])
+    assert bound["weight_bytes"] == parameter_bytes("smollm2-135m", 4, num_hidden_layers=4)
+
+
+def test_bandwidth_bound_arithmetic():
+    """(steps x weight bytes + attended KV entries x bytes per entry) / bandwidth."""
+    assert bench_throughput.bandwidth_bound_s(10, 1000, 2_000_000, 100, 1e9) == pytest.approx((2e7 + 1e5) / 1e9)
+    assert bench_throughput.bandwidth_bound_s(0, 0, 5, 5, 1.0) == 0.0
+    with pytest.raises(ValueError, match="bandwidth"):
+        bench_throughput.bandwidth_bound_s(1, 1, 1, 1, 0.0)
+    figures = bench_throughput.bound_figures({"num_scheduled_steps": 100, "num_kv_tokens_attended": 50_000},
+                                             "qwen3-0.6b", "bfloat16", 2.5e12, seconds=0.5)
+    weights, per_token = parameter_bytes("qwen3-0.6b", 2), kv_bytes_per_token("qwen3-0.6b", 2)
+    assert per_token == 2 * 28 * 8 * 128 * 2
+    assert figures["bound_s"] == pytest.approx((100 * weights + 50_000 * per_token) / 2.5e12)
+    assert figures["bound_fraction"] == pytest.approx(figures["bound_s"] / 0.5)
 
 
 def test_throughput_workload_follows_nano_vllm():

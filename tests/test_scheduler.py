@@ -224,6 +224,28 @@ def test_random_workloads_match_reference(prompts, num_blocks, budget, max_seqs,
         expected = reference(r.prompt_token_ids, min(r.sampling_params.max_tokens, 32 - r.num_prompt_tokens))
         assert r.output_token_ids == expected
     assert sched.kv.num_free_blocks == num_blocks and sched.kv.usage == 0.0
+    assert_attention_counts(sched, outputs)
+
+
+def assert_attention_counts(sched: Scheduler, outputs: list[SchedulerOutput]) -> None:
+    """The bandwidth-bound counters equal what the steps' attention reads: per step, every scheduled
+    request's context after it (first position + tokens fed)."""
+    steps = [o for o in outputs if o is not None and o.scheduled]
+    assert sched.num_scheduled_steps == sched.stats()["num_scheduled_steps"] == len(steps)
+    assert sched.num_kv_tokens_attended == sched.stats()["num_kv_tokens_attended"] == sum(
+        s.num_computed_tokens + len(s.token_ids) for o in steps for s in o.scheduled)
+
+
+def test_attention_counts_by_hand():
+    """Prompts of 6 and 3 tokens, budget 4: [a0-3], [a4-5, b0-1], [a decode at 6 -> 7, b2 -> 3],
+    then decodes: contexts after each step are summed."""
+    sched = make_scheduler(budget=4, caching=False)
+    sched.add_request(make_request("a", [11, 12, 13, 14, 15, 16], max_tokens=2))
+    sched.add_request(make_request("b", [21, 22, 23], max_tokens=2))
+    outputs = run_all(sched)
+    per_step = [[s.num_computed_tokens + len(s.token_ids) for s in o.scheduled] for o in outputs]
+    assert per_step == [[4], [6, 2], [7, 3], [4]]
+    assert sched.num_scheduled_steps == 4 and sched.num_kv_tokens_attended == 4 + 8 + 10 + 4
 
 
 def test_abort_frees_blocks():

@@ -22,42 +22,10 @@ from pathlib import Path
 
 import torch
 
-SHAPES = {
-    "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                         head_dim=64, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True),
-    "llama-3.2-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                         head_dim=64, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True),
-}
+from runner.benchmarks.load import write_random_checkpoint
 
-
-def write_random_checkpoint(shape: str, folder: Path, dtype: torch.dtype) -> int:
-    """A Llama checkpoint of `shape` with random weights; returns its bytes."""
-    from safetensors.torch import save_file
-
-    from models import build_model, model_spec
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, rms_norm_eps=1e-5,
-                         architectures=["LlamaForCausalLM"], dtype=str(dtype).removeprefix("torch."))
-    folder.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(folder)
-    model = build_model(model_spec(config), folder, device=torch.device("cpu"), dtype=dtype, load_format="dummy")
-    state = {}
-    for name, param in model.named_parameters():  # unpack ours into HF's names
-        parts = name.split(".")
-        if parts[-2] == "qkv_proj":
-            spec = model.spec
-            q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-            for proj, (a, b) in zip(("q_proj", "k_proj", "v_proj"), ((0, q), (q, q + kv), (q + kv, q + 2 * kv))):
-                state[".".join(parts[:-2] + [proj, parts[-1]])] = param.data[a:b].contiguous()
-        elif parts[-2] == "gate_up_proj":
-            half = param.shape[0] // 2
-            state[".".join(parts[:-2] + ["gate_proj", parts[-1]])] = param.data[:half].contiguous()
-            state[".".join(parts[:-2] + ["up_proj", parts[-1]])] = param.data[half:].contiguous()
-        elif name != "lm_head.weight":
-            state[name] = param.data
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return sum(t.numel() * t.element_size() for t in state.values())
+SHAPES = ("smollm2-135m", "llama-3.2-1b")
+"""Model shapes of runner/benchmarks/model_shapes.py this benchmark offers."""
 
 
 def _time_load(folder: Path, device: torch.device, dtype: torch.dtype, check: bool) -> tuple[float, object]:
@@ -94,7 +62,7 @@ def _time_checks(model, device: torch.device, repeats: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for load_check.json")
-    parser.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
+    parser.add_argument("--shape", default="llama-3.2-1b", choices=SHAPES)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--loads", type=int, default=3, help="loads with the check on, and as many off")

@@ -13,6 +13,16 @@ bf16 (the Qwen3-0.6B shape of runner/benchmarks/model_shapes.py). One short warm
 
 `--cpu-small`: the SmolLM2-135M shape cut to 4 layers, 16 requests of 16-64 prompt and output
 tokens, fp32 on the CPU (well under 2 minutes on 2 cores); for CI, not a benchmark.
+
+Bandwidth bound: the time the device would need just to read the weights and every live KV
+entry once per step, sum over the timed run's steps of (weight bytes + live KV bytes of that
+step) / bandwidth. The scheduler counts the steps and, per step, the KV entries attention reads
+(every scheduled request's context after the step: Scheduler.num_kv_tokens_attended, a plain
+counter); weight bytes are those a step streams (model_shapes.parameter_bytes: the LM head, not
+a separate embedding table). The bandwidth is measured in the same run by a large device copy
+(decode.copy_bandwidth: bytes read + written / time), or given with --bandwidth-gbs (e.g. the
+nominal figure). `bound/measured` is the share of the bound reached: 100% would mean the run did
+nothing but stream weights and KV at copy speed.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from runner.benchmarks.model_shapes import SHAPES, write_config
+from runner.benchmarks.model_shapes import SHAPES, kv_bytes_per_token, parameter_bytes, write_config
 from runner.benchmarks.results import add_out_argument, write_json
 
 CPU_SMALL = dict(shape="smollm2-135m", num_layers=4, num_seqs=16, min_len=16, max_input_len=64, max_output_len=64,
@@ -41,6 +51,26 @@ def make_workload(num_seqs: int, min_len: int, max_input_len: int, max_output_le
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(min_len, max_output_len))
               for _ in range(num_seqs)]
     return prompts, params
+
+
+def bandwidth_bound_s(num_steps: int, kv_tokens_attended: int, weight_bytes: int, kv_bytes_per_token: int,
+                      bandwidth: float) -> float:
+    """Seconds to read the weights once per step and every live KV entry of every step once:
+    (num_steps * weight_bytes + kv_tokens_attended * kv_bytes_per_token) / bandwidth (bytes/s)."""
+    if bandwidth <= 0:
+        raise ValueError(f"bandwidth must be positive, got {bandwidth}")
+    return (num_steps * weight_bytes + kv_tokens_attended * kv_bytes_per_token) / bandwidth
+
+
+def bound_figures(counts: dict, shape: str, dtype: str, bandwidth: float, seconds: float, **overrides) -> dict:
+    """The bandwidth bound of a run from the scheduler's step and KV counts (deltas over the run)."""
+    element = {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
+    weights, per_token = parameter_bytes(shape, element, **overrides), kv_bytes_per_token(shape, element, **overrides)
+    bound = bandwidth_bound_s(counts["num_scheduled_steps"], counts["num_kv_tokens_attended"], weights, per_token,
+                              bandwidth)
+    return {"steps": counts["num_scheduled_steps"], "kv_tokens_attended": counts["num_kv_tokens_attended"],
+            "weight_bytes": weights, "kv_bytes_per_token": per_token, "bandwidth_bytes_per_s": bandwidth,
+            "bound_s": bound, "bound_fraction": bound / seconds}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine default unless given")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="engine default unless given")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bandwidth-gbs", type=float, default=None,
+                        help="device memory bandwidth for the bound, GB/s (default: measured by a large copy)")
     parser.add_argument("--cpu-small", action="store_true",
                         help="CPU smoke run: " + ", ".join(f"{k}={v}" for k, v in CPU_SMALL.items()))
     add_out_argument(parser)
@@ -94,7 +126,16 @@ def run(argv: list[str] | None = None) -> dict:
     from configs import SamplingParams
     from runner import LLM
 
+    from runner.benchmarks.decode import copy_bandwidth
+
     prompts, params = make_workload(args.num_seqs, args.min_len, args.max_input_len, args.max_output_len, args.seed)
+    on_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if args.bandwidth_gbs is not None:
+        bandwidth = args.bandwidth_gbs * 1e9
+    else:  # before the engine takes its share of the device memory
+        bandwidth = copy_bandwidth(torch.device("cuda" if on_cuda else "cpu"))
+        if on_cuda:
+            torch.cuda.empty_cache()
     options = dict(load_format="dummy", dtype=args.dtype, device=args.device, cudagraph_mode=args.mode,
                    max_model_len=args.max_model_len, seed=args.seed)
     for key in ("max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization"):
@@ -116,9 +157,12 @@ def run(argv: list[str] | None = None) -> dict:
             llm.generate(warm, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=8), use_tqdm=False)
             if torch.cuda.is_available() and llm.engine.device.type == "cuda":
                 torch.cuda.synchronize()
+            before = llm.engine.scheduler.stats()
             started = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - started
+            after = llm.engine.scheduler.stats()
+            counts = {key: after[key] - before[key] for key in ("num_scheduled_steps", "num_kv_tokens_attended")}
             runner = llm.engine.model_runner
             device, resolved = str(runner.device), runner.cudagraph_mode.name
             device_name = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else "cpu"
@@ -139,11 +183,19 @@ def run(argv: list[str] | None = None) -> dict:
         "input_tokens": input_tokens, "output_tokens": output_tokens, "seconds": seconds,
         "output_tok_s": output_tokens / seconds, "total_tok_s": (input_tokens + output_tokens) / seconds,
         "startup_s": startup, "torch": torch.__version__,
+        "bound": bound_figures(counts, args.shape, args.dtype, bandwidth, seconds, **overrides),
+        "bandwidth_source": "given" if args.bandwidth_gbs is not None else "measured copy",
     }
+    bound = result["bound"]
     print(f"{args.shape} ({result['num_layers']} layers, {args.dtype}, {device_name}, {resolved}): "
           f"{args.num_seqs} seqs, {input_tokens} in + {output_tokens} out tokens in {seconds:.2f} s; "
           f"output {result['output_tok_s']:.1f} tok/s, total {result['total_tok_s']:.1f} tok/s "
           f"(start-up {startup:.1f} s)")
+    print(f"  bandwidth bound: {bound['steps']} steps x {bound['weight_bytes'] / 1e9:.3f} GB of weights + "
+          f"{bound['kv_tokens_attended']} KV entries x {bound['kv_bytes_per_token']} B at "
+          f"{bandwidth / 1e9:.0f} GB/s ({result['bandwidth_source']}) = {bound['bound_s']:.3f} s; measured "
+          f"{seconds:.3f} s = {seconds / bound['bound_s']:.2f}x the bound (bound/measured "
+          f"{100 * bound['bound_fraction']:.1f}%)")
     write_json(args.out, "throughput.json", result)
     return result
 
