@@ -67,3 +67,22 @@ def tensor_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_GROUP.size)]
     dist.all_gather(parts, x, group=_GROUP.group)
     return torch.cat(parts, dim=dim)
+
+
+def local_head_counts(num_heads: int, num_kv_heads: int, tp_size: int) -> tuple[int, int]:
+    """(query heads, KV heads) one tensor-parallel rank holds, vLLM's rule: the query heads split
+    evenly; the KV heads split evenly when there are at least as many as ranks, otherwise each KV
+    head is replicated on tp_size / num_kv_heads ranks (every rank holds one). The KV cache of a
+    rank is sized by the second number. A shape that cannot be split is a ValueError naming the
+    checkpoint field."""
+    if tp_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tp_size}")
+    if num_heads % tp_size:
+        raise ValueError(f"num_attention_heads ({num_heads}) is not divisible by tensor_parallel_size ({tp_size})")
+    if num_kv_heads >= tp_size and num_kv_heads % tp_size:
+        raise ValueError(f"num_key_value_heads ({num_kv_heads}) is not divisible by tensor_parallel_size "
+                         f"({tp_size})")
+    if num_kv_heads < tp_size and tp_size % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size ({tp_size}) is not a multiple of num_key_value_heads "
+                         f"({num_kv_heads}), so the KV heads cannot be replicated evenly")
+    return num_heads // tp_size, max(1, num_kv_heads // tp_size)
