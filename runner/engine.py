@@ -150,9 +150,9 @@ class LLMEngine:
 
     def _make_executor(self, path: str):
         args = (self.config, self.spec, path, self.device, self.dtype, self.max_model_len)
-        if self.config.parallel.pipeline_parallel_size > 1:
-            from runner.pipeline.executor import PipelineExecutor
-            return PipelineExecutor(*args)
+        if self.config.parallel.world_size > 1:
+            from runner.distributed.executor import DistributedExecutor
+            return DistributedExecutor(*args)
         from runner.executor import UniProcExecutor
         return UniProcExecutor(*args)
 

@@ -1,4 +1,4 @@
-"""Executors run the model runner(s) for the engine: one process, or a pipeline of them."""
+"""Executors run the model runner(s) for the engine: one process here, several in runner/distributed/."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 
 from configs import EngineConfig
 from models.hf_config import ModelSpec
+from runner.cudagraph.consensus import agree_graph_plan, agree_ready
 from runner.model_runner import ModelRunner
 from runner.outputs import ModelRunnerOutput, PendingOutput
 from runner.platform import num_kv_blocks
@@ -16,19 +17,28 @@ from runner.scheduler import SchedulerOutput
 logger = logging.getLogger(__name__)
 
 
-def start_model_runner(runner: ModelRunner, config: EngineConfig, agree=min) -> int:
+def start_model_runner(runner: ModelRunner, config: EngineConfig, agreement=None) -> int:
     """The warm-up contract, steps 1-4: load, profile without a KV cache, measure the graph
     reserve, size and allocate the cache, capture; all but the load with their Triton kernels
-    compiled ahead, in parallel (`kernels_compiled_ahead`). `agree` reduces the block count
-    across pipeline ranks (every rank must allocate the same number). Returns the block count."""
+    compiled ahead, in parallel (`kernels_compiled_ahead`). `agreement` (runner/distributed/comm.py
+    Agreement: `min(int)` and `gather(obj)` over every rank; None for one process) makes the ranks
+    of a multi-process engine agree on the graph plan before the load, on the block count (every
+    rank allocates the smallest) and on graph readiness (runner/cudagraph/consensus.py). Returns
+    the block count."""
+    if agreement is not None:
+        mode, sizes = agree_graph_plan(agreement.gather(runner.graph_plan()))
+        runner.adopt_graph_plan(mode, sizes)
     runner.load_model()
     with runner.kernels_compiled_ahead():
         peak = runner.profile_run()
         reserve = runner.measure_graph_reserve()
         blocks = num_kv_blocks(config, runner.kv_cache_bytes_per_block(), runner.device, peak, reserve)
-        blocks = agree(blocks)
+        if agreement is not None:
+            blocks = agreement.min(blocks)
         runner.initialize_kv_cache(blocks)
         runner.capture_cudagraphs()
+    if agreement is not None and not agree_ready(runner.cuda_graph_ready, agreement.min):
+        runner.disable_cudagraphs()
     return blocks
 
 
@@ -38,7 +48,7 @@ class UniProcExecutor:
     def __init__(self, config: EngineConfig, spec: ModelSpec, model_path: str, device: torch.device,
                  dtype: torch.dtype, max_model_len: int) -> None:
         self.model_runner = ModelRunner(config, spec, model_path, device, dtype, max_model_len)
-        self.num_blocks = start_model_runner(self.model_runner, config, agree=lambda n: n)
+        self.num_blocks = start_model_runner(self.model_runner, config)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute(sched)
