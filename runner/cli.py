@@ -78,8 +78,10 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                "check_finite_weights": args.check_finite_weights}
     if args.max_model_len is not None:
         options["max_model_len"] = args.max_model_len
-    if args.pipeline_parallel_size > 1:
+    if args.pipeline_parallel_size != 1:  # 0 or less: the config says which field is wrong
         options["pipeline_parallel_size"] = args.pipeline_parallel_size
+    if args.tensor_parallel_size != 1:
+        options["tensor_parallel_size"] = args.tensor_parallel_size
     options.update(config_options(args))
     try:  # invalid option values are usage errors (exit 2), named by their field
         EngineConfig.from_kwargs(model=args.model, **options)
@@ -157,7 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--cudagraph-mode", default="FULL_AND_PIECEWISE", type=str.upper,
                      choices=[m.name for m in CUDAGraphMode], help="CUDA graph mode (NONE on a CPU)")
     gen.add_argument("--max-model-len", type=int, help="longest prompt plus output; default: the model's")
-    gen.add_argument("--pipeline-parallel-size", type=int, default=1, help="processes, each with a slice of layers")
+    gen.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                     help="processes, each with a slice of the layers")
+    gen.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                     help="processes, each with a 1/N slice of every layer (x pipeline-parallel-size in all)")
     gen.add_argument("--check-finite-weights", action=argparse.BooleanOptionalAction, default=True,
                      help="fail at load when a weight is NaN or Inf")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
