@@ -28,20 +28,26 @@ _BY_RUNTIME_MODES = {(m.decode_mode(), m.mixed_mode()): m for m in CUDAGraphMode
 def agree_graph_plan(plans: list[tuple[str, list[int]]]) -> tuple[CUDAGraphMode, list[int]]:
     """The one plan every rank can serve, from each rank's own `(mode name, capture sizes)`:
     per kind of batch (uniform decode, mixed) the runtime mode if every rank has the same one,
-    else NONE; the capture sizes every rank has (NONE if there is none)."""
+    else PIECEWISE if every rank has PIECEWISE graphs (a rank whose attention backend cannot run
+    inside a FULL graph still has those), else NONE; the capture sizes every rank has (NONE if
+    there is none)."""
     modes = [CUDAGraphMode[name] for name, _ in plans]
-    decode = {m.decode_mode() for m in modes}
-    mixed = {m.mixed_mode() for m in modes}
-    pair = (decode.pop() if len(decode) == 1 else CUDAGraphMode.NONE,
-            mixed.pop() if len(mixed) == 1 else CUDAGraphMode.NONE)
+    all_piecewise = all(m.has_piecewise() for m in modes)
+
+    def common(per_rank: set[CUDAGraphMode]) -> CUDAGraphMode:
+        if len(per_rank) == 1:
+            return per_rank.pop()
+        return CUDAGraphMode.PIECEWISE if all_piecewise else CUDAGraphMode.NONE
+
+    pair = (common({m.decode_mode() for m in modes}), common({m.mixed_mode() for m in modes}))
     mode = _BY_RUNTIME_MODES.get(pair, CUDAGraphMode.NONE)
     sizes = sorted(set.intersection(*(set(s) for _, s in plans))) if plans else []
-    if mode != CUDAGraphMode.NONE and not sizes:
-        mode = CUDAGraphMode.NONE
+    if mode == CUDAGraphMode.NONE or not sizes:
+        mode, sizes = CUDAGraphMode.NONE, []
     if len({(m, tuple(s)) for m, s in plans}) > 1:
         logger.warning("ranks planned different CUDA graphs %s; every rank uses %s with capture sizes %s",
                        [(m, list(s)) for m, s in plans], mode.name, sizes)
-    return mode, sizes if mode != CUDAGraphMode.NONE else []
+    return mode, sizes
 
 
 def agree_ready(ready: bool, agree_min) -> bool:
