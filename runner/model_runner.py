@@ -304,7 +304,7 @@ class ModelRunner(GraphStartUp):
             if any(r.sampling_params.prompt_logprobs is not None for r in reqs):
                 self._prompt_logprobs(reqs, hidden, common)   # its logits: the same collective as rank 0's
             return None
-        return self.sample_async(reqs, hidden, common, logits).resolve()
+        return self.sample(reqs, hidden, common, logits)
 
     @torch.inference_mode()
     def execute_async(self, sched: SchedulerOutput) -> PendingOutput:
@@ -388,6 +388,6 @@ class ModelRunner(GraphStartUp):
         return self.sampling.launch([reqs[i] for i in rows], sampling_logits, greedy, prompt_logprobs,
                                     self._token_bitmask(reqs, rows) if rows else None)
 
-    def sample(self, reqs: list[ScheduledRequest], hidden, common) -> ModelRunnerOutput:
+    def sample(self, reqs: list[ScheduledRequest], hidden, common, logits=None) -> ModelRunnerOutput:
         """Synchronous scheduling: `sample_async` and its wait."""
-        return self.sample_async(reqs, hidden, common).resolve()
+        return self.sample_async(reqs, hidden, common, logits).resolve()

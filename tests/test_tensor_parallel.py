@@ -464,3 +464,20 @@ def test_multigpu_tp2_matches_tp1_in_graph_modes(tmp_path, mode):
     assert parallel == single
     assert parallel[:len(prompts)] == expected
     assert multiprocessing.active_children() == []
+
+
+# ---- benchmark option ---------------------------------------------------------------------------
+def test_decode_bench_takes_tensor_parallel_sizes():
+    """`graphrunner bench decode --tensor-parallel-size 1 2`: each mode at both sizes, rows labelled
+    `MODE tp2`, and the TP=2 / TP=1 ratio table (the GPU figures come from a 2-GPU run)."""
+    from runner.benchmarks import decode as bench_decode
+    args = bench_decode.parse_args(["--device", "cpu", "-tp", "1", "2", "2"])
+    assert args.tensor_parallel_size == [1, 2]
+    assert bench_decode.tp_label("FULL", 2) == "FULL tp2" and bench_decode.tp_label("FULL", 1) == "FULL"
+    row = dict(shape="llama-3-8b", tok_s=0.0, host_ms=0.0, forward_sample_ms=0.0, wall_ms=0.0, context=0.0)
+    rows = [bench_decode.Row(batch_size=1, mode="FULL", ms_per_step=10.0, **row),
+            bench_decode.Row(batch_size=1, mode="FULL tp2", ms_per_step=6.0, tensor_parallel_size=2, **row)]
+    table = bench_decode.tp_ratio_table(rows)
+    assert "| llama-3-8b | 1 | FULL | 2 | 6.000 | 10.000 | 0.600 |" in table
+    with pytest.raises(SystemExit):
+        bench_decode.parse_args(["--device", "cpu", "--tensor-parallel-size", "0"])
