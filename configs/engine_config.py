@@ -133,7 +133,7 @@ class ParallelConfig(_Config):
     distributed_init_timeout_s: float = Field(120.0, gt=0)
     pp_step_timeout_s: float = Field(
         default_factory=env_default("GRAPHRUNNER_PP_STEP_TIMEOUT_S", "ParallelConfig.pp_step_timeout_s", 300.0),
-        ge=0, description="seconds rank 0 waits for one step's reply from live pipeline workers; 0: no limit "
+        ge=0, description="seconds rank 0 waits for one step's reply from the live sampler rank; 0: no limit "
                           "[GRAPHRUNNER_PP_STEP_TIMEOUT_S]")
 
     @property

@@ -129,7 +129,7 @@ class LLMEngine:
                                        eos_token_ids(path, self.spec, self.tokenizer),
                                        async_scheduling=self.async_scheduling)
         except BaseException:
-            self.executor.shutdown()  # e.g. too few KV blocks: release pipeline workers at once
+            self.executor.shutdown()  # e.g. too few KV blocks: release the worker processes at once
             raise
         self._tracked: dict[str, RequestState] = {}
         """Unfinished requests by id (children of an `n` > 1 request by their own ids)."""
