@@ -297,7 +297,7 @@ def install():
 
     def logged_execute(self, sched, decision=None):
         out = execute(self, sched, decision)
-        folder = os.environ.get("GRAPHRUNNER_TP_TEST_LOG")
+        folder = os.environ.get("TP_SHIM_STEP_LOG")
         if folder and sched.scheduled:
             with open(os.path.join(folder, str(os.getpid())), "a") as log:
                 log.write(f"{self.tp_rank} {self.layer_range.start} {sched.num_scheduled_tokens}\\n")
@@ -319,7 +319,7 @@ def replicated(tmp_path, monkeypatch):
     logs = tmp_path / "logs"
     logs.mkdir()
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(shim), str(REPO), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("GRAPHRUNNER_TP_TEST_LOG", str(logs))
+    monkeypatch.setenv("TP_SHIM_STEP_LOG", str(logs))
     monkeypatch.syspath_prepend(str(shim))
     import tp_replicated_shim
     undo = tp_replicated_shim.install()
