@@ -8,6 +8,7 @@ import torch
 
 from configs import EngineConfig
 from models.hf_config import ModelSpec
+from models.parallel_state import tensor_parallel_group
 from runner.cudagraph.consensus import agree_graph_plan, agree_ready
 from runner.model_runner import ModelRunner
 from runner.outputs import ModelRunnerOutput, PendingOutput
@@ -42,11 +43,21 @@ def start_model_runner(runner: ModelRunner, config: EngineConfig, agreement=None
     return blocks
 
 
+def require_no_tensor_parallel_engine() -> None:
+    """The tensor-parallel group is process-wide (models/parallel_state.py): while a tensor-parallel
+    engine is alive in this process, another engine built here would read its group."""
+    group = tensor_parallel_group()
+    if group.size > 1:
+        raise RuntimeError(f"a tensor-parallel engine (tensor_parallel_size={group.size}) is alive in this process; "
+                           "shut it down (LLM.shutdown()) before starting another engine here")
+
+
 class UniProcExecutor:
     """The whole model in this process."""
 
     def __init__(self, config: EngineConfig, spec: ModelSpec, model_path: str, device: torch.device,
                  dtype: torch.dtype, max_model_len: int) -> None:
+        require_no_tensor_parallel_engine()
         self.model_runner = ModelRunner(config, spec, model_path, device, dtype, max_model_len)
         self.num_blocks = start_model_runner(self.model_runner, config)
 

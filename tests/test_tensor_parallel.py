@@ -327,6 +327,14 @@ def replicated(tmp_path, monkeypatch):
     undo()
 
 
+LOGPROBS = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+
+
+def _logprob_values(entries) -> list[tuple[int, float]]:
+    """(token id, logprob) of every entry of a logprobs list (None entries skipped)."""
+    return [(token, lp.logprob) for entry in entries if entry for token, lp in sorted(entry.items())]
+
+
 def _step_logs(logs: Path) -> dict[tuple[int, int], list[int]]:
     """(tp rank, first layer) -> the token counts of the steps that process ran."""
     steps = {}
@@ -348,12 +356,23 @@ def test_replicated_model_runs_every_step_on_every_rank(mqa, replicated, tp, pp)
         assert (runner.tp_rank, runner.tp_size, runner.num_kv_heads) == (0, tp, 1)
         assert runner.kv_caches[0].shape[3] == 1
         assert _tokens(llm, prompts) == expected
+        with pytest.raises(RuntimeError, match="a tensor-parallel engine .* is alive in this process"):
+            LLM(model=str(path), **CPU)
+        # Prompt logprobs and sample logprobs: every TP rank computes the same logits (collectives), rank 0 samples.
+        parallel = llm.generate(prompts[:2], LOGPROBS, use_tqdm=False)
     assert multiprocessing.active_children() == []
     assert not any(_alive(pid) for pid in pids.values())
-    steps = _step_logs(replicated)
+    steps = _step_logs(replicated)   # before the TP=1 engine below logs its own steps
+    with LLM(model=str(path), **CPU) as llm:   # the TP group was reset at shutdown
+        single = llm.generate(prompts[:2], LOGPROBS, use_tqdm=False)
+    for p, s in zip(parallel, single):
+        assert p.outputs[0].token_ids == s.outputs[0].token_ids
+        assert _logprob_values(p.prompt_logprobs) == pytest.approx(_logprob_values(s.prompt_logprobs), abs=1e-5)
+        assert _logprob_values(p.outputs[0].logprobs) == pytest.approx(_logprob_values(s.outputs[0].logprobs), abs=1e-5)
     stages = [0, 2] if pp == 2 else [0]
     assert sorted(steps) == sorted((t, layer) for t in range(tp) for layer in stages)
     assert len({tuple(s) for s in steps.values()}) == 1 and steps[(0, 0)]   # the same steps on every rank
+    assert [len(s) for s in steps.values()][0] > GREEDY.max_tokens
 
 
 # ---- end to end with the models as they are (needs the sharded model side) -------------------

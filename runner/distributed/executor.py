@@ -45,6 +45,7 @@ from runner.distributed.layers import split_layers
 from runner.distributed.topology import Topology
 from runner.distributed.worker import (ERROR, HELLO, OUTPUT, STEP, STOP, WorkerJob, run_external_worker, start_rank,
                                        worker_main)
+from runner.executor import require_no_tensor_parallel_engine
 from runner.outputs import ModelRunnerOutput
 from runner.scheduler import SchedulerOutput
 
@@ -227,6 +228,7 @@ class DistributedExecutor:
         self.world_size = self.topology.world_size
         self.layer_ranges = split_layers(spec.num_layers, self.topology.pp_size, parallel.pipeline_layer_split)
         local_head_counts(spec.num_heads, spec.num_kv_heads, self.topology.tp_size)  # a shape error, before any process
+        require_no_tensor_parallel_engine()
         launcher = torchrun_env()
         self.external_launcher = launcher is not None
         if launcher is not None and launcher[1] != self.world_size:
