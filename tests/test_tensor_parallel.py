@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from checkpoints import hf_greedy_generate, make_tiny_checkpoint
+from tp_consensus_rank import consensus_rank
 from configs import CUDAGraphMode, EngineConfig, SamplingParams
 from models.parallel_state import local_head_counts
 from runner import LLM
@@ -151,58 +152,13 @@ def test_graph_plan_agreement_rules():
     assert agree_graph_plan([(F, [1, 2]), (F, [4, 8])]) == (CUDAGraphMode.NONE, [])   # no common size
 
 
-# Batches (num_tokens, num_reqs, uniform decode) the consensus test dispatches.
-BATCHES = [(1, 1, True), (3, 3, True), (5, 2, False), (8, 8, True), (9, 9, True), (12, 3, False), (16, 4, False)]
-# Each rank's own plan: different capture sizes, and rank 2's backend has no FULL graphs.
-PLANS = {0: ("FULL_AND_PIECEWISE", [1, 2, 4, 8, 16]), 1: ("FULL_AND_PIECEWISE", [1, 2, 4, 8]),
-         2: ("PIECEWISE", [1, 2, 4, 8, 16]), 3: ("FULL_AND_PIECEWISE", [1, 2, 4, 8, 16, 32])}
-
-
-def _consensus_rank(rank: int, port: int, results) -> None:
-    """One rank of a TP=2 x PP=2 world: its own graph plan (PLANS), the start-up agreement
-    through the real groups, then rank 0's broadcast decision for each of BATCHES."""
-    try:
-        import torch.distributed as dist
-
-        from runner.cudagraph import CudagraphDispatcher
-        from runner.cudagraph.consensus import agree_ready
-        from runner.distributed.comm import Agreement, broadcast_message, destroy_groups, init_groups
-        store = dist.TCPStore("127.0.0.1", port, 4, is_master=False, timeout=datetime.timedelta(seconds=60))
-        groups = init_groups("gloo", rank, Topology(2, 2), 60, store)
-        agreement = Agreement(groups)
-        mode_name, sizes = PLANS[rank]
-        own = CudagraphDispatcher(CUDAGraphMode[mode_name], sizes, max_num_seqs=8)
-        own.mark_ready()
-        alone = [own.dispatch(*b) for b in BATCHES]       # what this rank would pick by itself
-        mode, agreed_sizes = agree_graph_plan(agreement.gather(PLANS[rank]))
-        dispatcher = CudagraphDispatcher(mode, agreed_sizes, max_num_seqs=8)
-        ready_first = agree_ready(rank != 1, agreement.min)   # rank 1 failed to capture
-        if ready_first:
-            dispatcher.mark_ready()
-        first = [dispatcher.dispatch(*b) for b in BATCHES]
-        dispatcher.mark_ready()
-        ready = agree_ready(True, agreement.min)
-        replayed = []
-        for batch in BATCHES:   # rank 0 decides, every rank replays that (and could: `has`)
-            decision = broadcast_message(dispatcher.dispatch(*batch) if rank == 0 else None, groups)
-            replayed.append((decision, dispatcher.has(*decision)))
-        # The TP group (stage 0: ranks 0, 1; stage 1: ranks 2, 3) works for a collective.
-        probe = torch.tensor([float(rank)])
-        dist.all_reduce(probe, group=groups.tp_group)
-        results.put((rank, dict(alone=alone, plan=(mode, agreed_sizes), ready_first=ready_first, first=first,
-                                ready=ready, replayed=replayed, tp_sum=probe.item())))
-        destroy_groups(groups)
-    except BaseException as error:  # noqa: BLE001 - the parent reports it
-        results.put((rank, repr(error)))
-
-
 def test_ranks_that_would_pick_different_graphs_agree():
     import torch.distributed as dist
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     store = dist.TCPStore("127.0.0.1", 0, 4, is_master=True, timeout=datetime.timedelta(seconds=60),
                           wait_for_workers=False)
-    procs = [context.Process(target=_consensus_rank, args=(rank, store.port, results)) for rank in range(4)]
+    procs = [context.Process(target=consensus_rank, args=(rank, store.port, results)) for rank in range(4)]
     for proc in procs:
         proc.start()
     try:
@@ -415,6 +371,36 @@ def test_tp2_pp2_matches_tp1_and_hf(mqa):
     assert multiprocessing.active_children() == []
 
 
+@pytest.mark.slow
+def test_torchrun_tp2(mqa, tmp_path):
+    """`torchrun --nproc-per-node 2` with tensor_parallel_size=2: rank 0's LLM drives and samples;
+    rank 1's LLM(...) serves its TP shard and exits with status 0 when rank 0 shuts down."""
+    import json
+    import subprocess
+    import sys
+    path, prompts, expected = mqa
+    script = tmp_path / "tp.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, os
+        from configs import SamplingParams
+        from runner import LLM
+        llm = LLM(model={str(path)!r}, tensor_parallel_size=2, **{CPU!r})
+        if os.environ["RANK"] != "0":
+            raise SystemExit("rank 1 returned from LLM(...)")
+        out = llm.generate({prompts!r}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        llm.shutdown()
+        print("TOKENS " + json.dumps([o.outputs[0].token_ids for o in out]))
+    """))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    line = next(line for line in done.stdout.splitlines() if line.startswith("TOKENS "))
+    assert json.loads(line[len("TOKENS "):]) == expected
+
+
 # ---- failures ----------------------------------------------------------------------------------
 def _assert_failed(outputs, pattern: str) -> None:
     assert outputs
@@ -440,6 +426,7 @@ def test_killed_tp_rank_is_an_error_naming_it(mqa):
     assert multiprocessing.active_children() == [] and not _alive(pid)
 
 
+@pytest.mark.slow
 def test_tp_rank_step_error_reports_its_traceback(mqa, tmp_path, monkeypatch):
     """TP rank 1 raises inside a step: the requests fail with its traceback, naming it."""
     path, prompts, _ = mqa
