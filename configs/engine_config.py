@@ -93,8 +93,8 @@ class SchedulerConfig(_Config):
     """Launch step n+1 before waiting for step n's sampled tokens, so the engine's host work
     (scheduling, input preparation, the scheduler update, detokenization) overlaps the GPU.
     None (auto): on for a CUDA device with the single-process executor, off on a CPU and under
-    pipeline parallelism. True forces it on any device (CPU tests use it); it cannot be combined
-    with pipeline_parallel_size > 1."""
+    pipeline or tensor parallelism. True forces it on any device (CPU tests use it); it cannot be
+    combined with pipeline_parallel_size or tensor_parallel_size > 1."""
 
 
 class CompilationConfig(_Config):
@@ -142,17 +142,26 @@ class CompilationConfig(_Config):
 
 
 class ParallelConfig(_Config):
-    pipeline_parallel_size: int = Field(1, ge=1, le=64)
+    """World = tensor_parallel_size x pipeline_parallel_size processes (docs/PARALLEL.md)."""
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="processes that each hold a 1/N slice of every layer (heads, MLP columns, "
+                                    "vocabulary)")
+    pipeline_parallel_size: int = Field(1, ge=1, le=64, description="processes that each hold a slice of the layers")
     pipeline_layer_split: list[int] | None = Field(
         None, description="layers per pipeline rank; default an even split")
     distributed_init_timeout_s: float = Field(120.0, gt=0)
     pp_step_timeout_s: float = Field(
         default_factory=env_default("GRAPHRUNNER_PP_STEP_TIMEOUT_S", "ParallelConfig.pp_step_timeout_s", 300.0),
-        ge=0, description="seconds rank 0 waits for one step's reply from live pipeline workers; 0: no limit "
+        ge=0, description="seconds rank 0 waits for one step's reply from the live sampler rank; 0: no limit "
                           "[GRAPHRUNNER_PP_STEP_TIMEOUT_S]")
     threads: int | None = Field(
         None, ge=1, description="CPU threads of torch's operators (torch.set_num_threads, set when the engine "
                                 "starts, for the whole process); None: torch's default, one per core")
+
+    @property
+    def world_size(self) -> int:
+        """Processes the engine runs in: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 class EngineConfig(_Config):
@@ -179,18 +188,19 @@ class EngineConfig(_Config):
             raise ValueError(
                 f"pipeline_layer_split has {len(split)} entries but pipeline_parallel_size is "
                 f"{self.parallel.pipeline_parallel_size}")
-        if self.scheduler.async_scheduling and self.parallel.pipeline_parallel_size > 1:
+        if self.scheduler.async_scheduling and self.parallel.world_size > 1:
             raise ValueError(
                 f"async_scheduling=True is not supported with pipeline_parallel_size="
-                f"{self.parallel.pipeline_parallel_size}: the pipeline executor returns each step's tokens "
-                "synchronously; leave async_scheduling unset (auto) or False")
+                f"{self.parallel.pipeline_parallel_size} x tensor_parallel_size={self.parallel.tensor_parallel_size}: "
+                "the distributed executor returns each step's tokens synchronously; leave async_scheduling unset "
+                "(auto) or False")
         return self
 
     def resolve_async_scheduling(self, device_type: str) -> bool:
         """The effective async_scheduling for an engine on `device_type` ("cuda" or "cpu")."""
         value = self.scheduler.async_scheduling
         if value is None:
-            return device_type == "cuda" and self.parallel.pipeline_parallel_size == 1
+            return device_type == "cuda" and self.parallel.world_size == 1
         return value
 
     @classmethod

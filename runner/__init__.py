@@ -1,4 +1,4 @@
-"""Engine, scheduler, KV-cache manager, model runner, sampler, CUDA graphs, pipeline parallel, CLI.
+"""Engine, scheduler, KV-cache manager, model runner, sampler, CUDA graphs, tensor and pipeline parallel, CLI.
 
 `SamplingParams` and `RequestOutputKind` live in configs and are re-exported here, as vLLM exports
 them beside `LLM`.

@@ -79,8 +79,10 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     for name in ("max_model_len", "max_num_seqs", "kv_cache_memory", "threads"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
-    if args.pipeline_parallel_size > 1:
+    if args.pipeline_parallel_size != 1:  # 0 or less: the config says which field is wrong
         options["pipeline_parallel_size"] = args.pipeline_parallel_size
+    if args.tensor_parallel_size != 1:
+        options["tensor_parallel_size"] = args.tensor_parallel_size
     options.update(config_options(args))
     try:  # invalid option values are usage errors (exit 2), named by their field
         EngineConfig.from_kwargs(model=args.model, **options)
@@ -164,7 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "max-num-seqs sequences of max-model-len tokens use, at most 4 GiB")
     gen.add_argument("--threads", type=int, help="CPU threads of torch's operators (ParallelConfig.threads); "
                                                  "default: one per core")
-    gen.add_argument("--pipeline-parallel-size", type=int, default=1, help="processes, each with a slice of layers")
+    gen.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                     help="processes, each with a slice of the layers")
+    gen.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                     help="processes, each with a 1/N slice of every layer (x pipeline-parallel-size in all)")
     gen.add_argument("--check-finite-weights", action=argparse.BooleanOptionalAction, default=True,
                      help="fail at load when a weight is NaN or Inf")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")

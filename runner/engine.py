@@ -130,7 +130,7 @@ class LLMEngine:
                                        eos_token_ids(path, self.spec, self.tokenizer),
                                        async_scheduling=self.async_scheduling)
         except BaseException:
-            self.executor.shutdown()  # e.g. too few KV blocks: release pipeline workers at once
+            self.executor.shutdown()  # e.g. too few KV blocks: release the worker processes at once
             raise
         self.start_up_total_seconds = time.perf_counter() - started
         logger.info("engine ready in %.2f s: %s; %s on %s, %d KV blocks", self.start_up_total_seconds,
@@ -155,9 +155,9 @@ class LLMEngine:
 
     def _make_executor(self, path: str):
         args = (self.config, self.spec, path, self.device, self.dtype, self.max_model_len)
-        if self.config.parallel.pipeline_parallel_size > 1:
-            from runner.pipeline.executor import PipelineExecutor
-            return PipelineExecutor(*args)
+        if self.config.parallel.world_size > 1:
+            from runner.distributed.executor import DistributedExecutor
+            return DistributedExecutor(*args)
         from runner.executor import UniProcExecutor
         return UniProcExecutor(*args)
 

@@ -59,6 +59,10 @@ def _fields() -> dict[str, Any]:
     return fields
 
 
+SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
+"""vLLM's short forms of the parallel sizes."""
+
+
 def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     group = parser.add_argument_group("engine options (EngineConfig; defaults as in configs/)")
     for name, info in _fields().items():
@@ -68,7 +72,8 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
         if isinstance(default, enum.Enum):
             default = default.name
         help_text = (info.description or "").replace("%", "%%")
-        group.add_argument("--" + name.replace("_", "-"), dest=name, default=argparse.SUPPRESS,
+        flags = ["--" + name.replace("_", "-")] + ([SHORT_FLAGS[name]] if name in SHORT_FLAGS else [])
+        group.add_argument(*flags, dest=name, default=argparse.SUPPRESS,
                            help=f"{help_text} (default: {default})".strip(), **_flag_spec(info.annotation))
 
 

@@ -1,4 +1,4 @@
-"""Executors run the model runner(s) for the engine: one process, or a pipeline of them."""
+"""Executors run the model runner(s) for the engine: one process here, several in runner/distributed/."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import torch
 
 from configs import EngineConfig
 from models.hf_config import ModelSpec
+from models.parallel_state import tensor_parallel_group
+from runner.cudagraph.consensus import agree_graph_plan, agree_ready
 from runner.model_runner import ModelRunner
 from runner.outputs import ModelRunnerOutput, PendingOutput
 from runner.platform import num_kv_blocks
@@ -16,11 +18,17 @@ from runner.scheduler import SchedulerOutput
 logger = logging.getLogger(__name__)
 
 
-def start_model_runner(runner: ModelRunner, config: EngineConfig, agree=min) -> int:
+def start_model_runner(runner: ModelRunner, config: EngineConfig, agreement=None) -> int:
     """The warm-up contract, steps 1-4: load, profile without a KV cache, measure the graph
     reserve, size and allocate the cache, capture; all but the load with their Triton kernels
-    compiled ahead, in parallel (`kernels_compiled_ahead`). `agree` reduces the block count
-    across pipeline ranks (every rank must allocate the same number). Returns the block count."""
+    compiled ahead, in parallel (`kernels_compiled_ahead`). `agreement` (runner/distributed/comm.py
+    Agreement: `min(int)` and `gather(obj)` over every rank; None for one process) makes the ranks
+    of a multi-process engine agree on the graph plan before the load, on the block count (every
+    rank allocates the smallest) and on graph readiness (runner/cudagraph/consensus.py). Returns
+    the block count."""
+    if agreement is not None:
+        mode, sizes = agree_graph_plan(agreement.gather(runner.graph_plan()))
+        runner.adopt_graph_plan(mode, sizes)
     times = runner.start_up_times
     with times.phase("load"):
         runner.load_model()
@@ -31,12 +39,24 @@ def start_model_runner(runner: ModelRunner, config: EngineConfig, agree=min) -> 
         with times.phase("kv_cache"):
             blocks = num_kv_blocks(config, runner.kv_cache_bytes_per_block(), runner.device, peak, reserve,
                                    runner.max_model_len)
-            blocks = agree(blocks)
+            if agreement is not None:
+                blocks = agreement.min(blocks)
             runner.initialize_kv_cache(blocks)
         with times.phase("capture"):
             runner.capture_cudagraphs()
     times.add("compile", runner.precompile_seconds + runner.compile_wait_seconds)
+    if agreement is not None and not agree_ready(runner.cuda_graph_ready, agreement.min):
+        runner.disable_cudagraphs()
     return blocks
+
+
+def require_no_tensor_parallel_engine() -> None:
+    """The tensor-parallel group is process-wide (models/parallel_state.py): while a tensor-parallel
+    engine is alive in this process, another engine built here would read its group."""
+    group = tensor_parallel_group()
+    if group.size > 1:
+        raise RuntimeError(f"a tensor-parallel engine (tensor_parallel_size={group.size}) is alive in this process; "
+                           "shut it down (LLM.shutdown()) before starting another engine here")
 
 
 class UniProcExecutor:
@@ -44,8 +64,9 @@ class UniProcExecutor:
 
     def __init__(self, config: EngineConfig, spec: ModelSpec, model_path: str, device: torch.device,
                  dtype: torch.dtype, max_model_len: int) -> None:
+        require_no_tensor_parallel_engine()
         self.model_runner = ModelRunner(config, spec, model_path, device, dtype, max_model_len)
-        self.num_blocks = start_model_runner(self.model_runner, config, agree=lambda n: n)
+        self.num_blocks = start_model_runner(self.model_runner, config)
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute(sched)

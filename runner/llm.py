@@ -60,8 +60,9 @@ class LLM:
     """`LLM(model="path" | pathlib.Path(...) | "default", **engine_options).generate(prompts, sampling_params)`, as in vLLM.
 
     Options are EngineConfig's fields by name (dtype, device, cudagraph_mode, max_model_len,
-    block_size, max_num_seqs, async_scheduling, ...). Use as a context manager, or call shutdown(),
-    to release pipeline workers."""
+    block_size, max_num_seqs, async_scheduling, tensor_parallel_size, pipeline_parallel_size, ...).
+    Use as a context manager, or call shutdown(), to release the worker processes of a
+    tensor/pipeline parallel engine (docs/PARALLEL.md)."""
 
     def __init__(self, model: str | os.PathLike = "default", **kwargs) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))

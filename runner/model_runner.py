@@ -25,6 +25,7 @@ from models.hf_config import ModelSpec
 from models.layers import screened_argmax
 from models.causal_lm import IntermediateTensors
 from models.loader import build_model
+from models.parallel_state import tensor_parallel_group
 from runner.cudagraph import (CUDA_GRAPHS, AddressCheck, BatchDescriptor, CapturePhase, CUDAGraphWrapper,
                               CudagraphDispatcher, default_capture_sizes, graph_pool, prime_capture_stream,
                               resolve_cudagraph_mode)
@@ -88,6 +89,8 @@ class ModelRunner(GraphStartUp):
             torch.set_num_threads(config.parallel.threads)
         self.device, self.dtype, self.max_model_len = device, dtype, max_model_len
         self.layer_range = layer_range if layer_range is not None else range(spec.num_layers)
+        tp = tensor_parallel_group()   # set by the distributed executor before the runner exists
+        self.tp_rank, self.tp_size = tp.rank, tp.size
         self.block_size = config.cache.block_size
         self.max_num_reqs = config.scheduler.max_num_seqs
         self.max_num_tokens = config.scheduler.max_num_batched_tokens
@@ -170,6 +173,22 @@ class ModelRunner(GraphStartUp):
         buffers = self.intermediate_buffers
         return IntermediateTensors(buffers.hidden_states[:num_tokens], buffers.residual[:num_tokens])
 
+    def graph_plan(self) -> tuple[str, list[int]]:
+        """(resolved cudagraph mode, capture sizes) this rank would use on its own; the ranks of a
+        multi-process engine agree on one (runner/cudagraph/consensus.py) before the load."""
+        return self.cudagraph_mode.name, list(self.dispatcher.capture_sizes)
+
+    def adopt_graph_plan(self, mode: CUDAGraphMode, capture_sizes: list[int]) -> None:
+        """Use the agreed plan instead of this rank's own (before `load_model` builds the wrappers)."""
+        if (mode.name, list(capture_sizes)) != self.graph_plan():
+            self.cudagraph_mode = mode
+            self.dispatcher = CudagraphDispatcher(mode, capture_sizes, self.max_num_reqs)
+
+    def disable_cudagraphs(self) -> None:
+        """Another rank has no graphs ready: run every step eager here too."""
+        self.cuda_graph_ready = False
+        self.dispatcher.ready = False
+
     def kv_cache_bytes_per_block(self) -> int:
         # This tensor-parallel rank's KV heads only (spec.num_kv_heads on a single rank).
         per_layer = 2 * self.block_size * self.model.num_local_kv_heads * self.spec.head_dim * self.dtype.itemsize
@@ -230,15 +249,30 @@ class ModelRunner(GraphStartUp):
             return (forward or self.forward)(input_ids, positions, self.intermediate_view(padded_tokens))
 
     def dispatch(self, sched: SchedulerOutput) -> tuple[CUDAGraphMode, BatchDescriptor | None]:
-        """The graph decision; a pure function of the broadcast step, so every pipeline rank agrees."""
+        """The graph decision. In a multi-process engine rank 0 makes it once and broadcasts it
+        with the step (runner/cudagraph/consensus.py); the other ranks pass it to `execute`."""
         if not self.cuda_graph_ready:
             return CUDAGraphMode.NONE, None
         num_reqs = len(sched.scheduled)
         uniform = sched.num_scheduled_tokens == num_reqs  # every request feeds >= 1 token, so each feeds one
         return self.dispatcher.dispatch(sched.num_scheduled_tokens, num_reqs, uniform)
 
-    def prepare(self, sched: SchedulerOutput):
-        mode, desc = self.dispatch(sched)
+    def _decision(self, sched: SchedulerOutput, decision) -> tuple[CUDAGraphMode, BatchDescriptor | None]:
+        """This step's (mode, descriptor): rank 0's broadcast one, or this runner's own choice.
+        A decision this rank cannot replay raises here: replaying another graph (or none) would
+        leave the other ranks waiting in a collective this rank never joins."""
+        if decision is None:
+            return self.dispatch(sched)
+        mode, desc = decision
+        if not self.dispatcher.has(mode, desc):
+            raise RuntimeError(f"rank 0 chose the {mode.name} graph {desc} for this step, but this rank (tp rank "
+                               f"{self.tp_rank}, layers {self.layer_range.start}..{self.layer_range.stop - 1}) has "
+                               f"no such graph (graphs ready: {self.cuda_graph_ready}, mode "
+                               f"{self.cudagraph_mode.name}, capture sizes {self.dispatcher.capture_sizes})")
+        return mode, desc
+
+    def prepare(self, sched: SchedulerOutput, decision=None):
+        mode, desc = self._decision(sched, decision)
         self.steps_by_mode[mode.name] += 1
         reqs = sched.scheduled
         padded_tokens = desc.num_tokens if desc is not None else sched.num_scheduled_tokens
@@ -254,25 +288,41 @@ class ModelRunner(GraphStartUp):
                                           placeholders=placeholders)
         return mode, desc, padded_tokens, common
 
-    def padded_num_tokens(self, sched: SchedulerOutput) -> int:
+    def padded_num_tokens(self, sched: SchedulerOutput, decision=None) -> int:
         """Token rows this step runs as: what a pipeline stage receives and sends."""
-        _, desc = self.dispatch(sched)
+        _, desc = self._decision(sched, decision)
         return desc.num_tokens if desc is not None else sched.num_scheduled_tokens
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput):
+    def execute(self, sched: SchedulerOutput, decision=None):
         """Run one scheduled step. Returns sampled tokens (last pipeline stage) or the
         intermediate tensors to send on (other stages). Stages after the first must have
-        received this step's input into `intermediate_view(padded_num_tokens(sched))` first."""
+        received this step's input into `intermediate_view(padded_num_tokens(sched, decision))`
+        first. `decision`: rank 0's (mode, descriptor) for the step; None: this runner's own."""
         self.sampling.release(sched.finished_ids)  # preempted requests keep their generators and counts
         self.prompt_logprobs.release(sched.finished_ids)
         if not sched.scheduled:
             return ModelRunnerOutput({})
-        mode, desc, padded_tokens, common = self.prepare(sched)
+        mode, desc, padded_tokens, common = self.prepare(sched, decision)
         hidden = self._forward(padded_tokens, common, mode, desc)
         if not self.model.model.is_last:
             return hidden
+        if self.tp_size > 1:
+            return self.sample_tensor_parallel(sched.scheduled, hidden, common)
         return self.sample(sched.scheduled, hidden, common)
+
+    def sample_tensor_parallel(self, reqs: list[ScheduledRequest], hidden, common) -> ModelRunnerOutput | None:
+        """The last stage of a tensor-parallel engine. The logits of the vocabulary-parallel LM head
+        are gathered across the TP group (a collective), so every TP rank computes them, in the
+        same calls: once for the step's sampling rows, once for its prompt-logprob rows. Only TP
+        rank 0 samples (the sampler rank; its tokens go to rank 0); the others return None."""
+        rows = [i for i, r in enumerate(reqs) if r.sample]
+        logits = self._sampling_logits(reqs, rows, hidden, common) if rows else None
+        if self.tp_rank != 0:
+            if any(r.sampling_params.prompt_logprobs is not None for r in reqs):
+                self._prompt_logprobs(reqs, hidden, common)   # its logits: the same collective as rank 0's
+            return None
+        return self.sample(reqs, hidden, common, logits)
 
     @torch.inference_mode()
     def execute_async(self, sched: SchedulerOutput) -> PendingOutput:
@@ -310,7 +360,7 @@ class ModelRunner(GraphStartUp):
         logits in the model dtype (same index, one conversion kernel less)."""
         if isinstance(out, DecodeOutput) and len(rows) == len(reqs):
             return out.greedy[:len(reqs)]
-        if (self.device.type == "cpu" and not isinstance(out, DecodeOutput) and common.uniform_decode
+        if (self.device.type == "cpu" and self.tp_size == 1 and not isinstance(out, DecodeOutput) and common.uniform_decode
                 and len(rows) == len(reqs) and self.model.final_logit_softcapping is None):
             # A CPU decode step: the LM head read in bf16 first, fp32 only near the top (exact; a
             # soft-capped head's ties may fall elsewhere, so those take the logits below).
@@ -330,23 +380,32 @@ class ModelRunner(GraphStartUp):
         """The seeded requests' generators, by request id (kept until the request finishes)."""
         return self.sampling.generators
 
-    def sample_async(self, reqs: list[ScheduledRequest], hidden, common) -> PendingOutput:
+    def _prompt_logprobs(self, reqs: list[ScheduledRequest], hidden, common):
+        """`PromptLogprobs.launch` for the step (None when no request asks for prompt logprobs)."""
+        if not any(r.sampling_params.prompt_logprobs is not None for r in reqs):
+            return None
+        hidden_rows = hidden.hidden if isinstance(hidden, DecodeOutput) else hidden
+        return self.prompt_logprobs.launch(
+            reqs, common.query_start_loc_cpu.tolist(),
+            lambda token_rows: self.model.compute_logits(hidden_rows[self.sampling.to_device(
+                torch.tensor(token_rows, dtype=torch.int64))], True), self.sampling.to_device)
+
+    def sample_async(self, reqs: list[ScheduledRequest], hidden, common, logits=None) -> PendingOutput:
         """The step's tokens, enqueued by the one sampling path (runner/sampling/stage.py): they stay
         on the device (`PendingOutput.sampled`) and go to pinned host memory by a non-blocking copy
-        that a CUDA event marks. `hidden` is the forward's output (hidden rows or a DecodeOutput)."""
+        that a CUDA event marks. `hidden` is the forward's output (hidden rows or a DecodeOutput).
+        `logits`: the sampling rows' float32 logits when already computed (tensor parallel: every
+        TP rank computes them, so the step's collectives do not depend on the sampling path)."""
         rows = [i for i, r in enumerate(reqs) if r.sample]
-        prompt_logprobs = None
-        if any(r.sampling_params.prompt_logprobs is not None for r in reqs):
-            hidden_rows = hidden.hidden if isinstance(hidden, DecodeOutput) else hidden
-            prompt_logprobs = self.prompt_logprobs.launch(
-                reqs, common.query_start_loc_cpu.tolist(),
-                lambda token_rows: self.model.compute_logits(hidden_rows[self.sampling.to_device(
-                    torch.tensor(token_rows, dtype=torch.int64))], True), self.sampling.to_device)
-        return self.sampling.launch([reqs[i] for i in rows],
-                                    lambda: self._sampling_logits(reqs, rows, hidden, common),
-                                    lambda: self._greedy_tokens(reqs, rows, hidden, common), prompt_logprobs,
+        prompt_logprobs = self._prompt_logprobs(reqs, hidden, common)
+        if logits is not None:
+            sampling_logits, greedy = (lambda: logits), (lambda: argmax_rows(logits))
+        else:
+            sampling_logits = lambda: self._sampling_logits(reqs, rows, hidden, common)  # noqa: E731
+            greedy = lambda: self._greedy_tokens(reqs, rows, hidden, common)  # noqa: E731
+        return self.sampling.launch([reqs[i] for i in rows], sampling_logits, greedy, prompt_logprobs,
                                     self._token_bitmask(reqs, rows) if rows else None)
 
-    def sample(self, reqs: list[ScheduledRequest], hidden, common) -> ModelRunnerOutput:
+    def sample(self, reqs: list[ScheduledRequest], hidden, common, logits=None) -> ModelRunnerOutput:
         """Synchronous scheduling: `sample_async` and its wait."""
-        return self.sample_async(reqs, hidden, common).resolve()
+        return self.sample_async(reqs, hidden, common, logits).resolve()

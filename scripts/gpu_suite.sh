@@ -17,7 +17,8 @@
 #   replay      PIECEWISE replay variants (step graph vs the Python layer loop) in one process
 #   addresses   host cost of the debug address check
 #   profile     kernels and host functions of a FULL decode step (SmolLM2, Llama-3.2-1B; bs 1)
-#   pp          the pipeline-parallel tests (two GPUs)
+#   pp          the multi-GPU tests (pipeline and tensor parallel; two GPUs) and the Llama-3-8B
+#               shape's FULL decode step at batch 1 and 32, TP=1 against TP=2
 #   all         tests bench decode-hf attention throughput capture replay addresses
 # Raw output goes to DIR (--out, else $OUT, else bench-results/gpu-suite): suite.log holds every
 # step's output, DIR/<step>/ its JSON and plots. Printed last: each step's exit code and time, then
@@ -29,7 +30,7 @@ STAGES=()
 while (($#)); do
   case $1 in
     --out) OUT_DIR=$2; shift 2 ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) STAGES+=("$1"); shift ;;
   esac
 done
@@ -123,7 +124,12 @@ for stage in "${STAGES[@]}"; do
       step profile-smollm2 60 "${BENCH[@]}" profile_step --mode FULL --batch-size 1 --host-profile
       step profile-llama-1b 60 "${BENCH[@]}" profile_step --shape llama-3.2-1b --mode FULL --batch-size 1
       ;;
-    pp) step pp-tests 240 python3 -m pytest -q -p no:cacheprovider -m cuda -rA tests/test_pipeline.py ;;
+    pp)
+      step pp-tests 480 python3 -m pytest -q -p no:cacheprovider -m "cuda or multigpu" -rA tests/test_pipeline.py \
+        tests/test_tensor_parallel.py
+      step tp-decode 900 "${BENCH[@]}" decode --shapes llama-3-8b --modes FULL --batch-sizes 1 32 \
+        --tensor-parallel-size 1 2 --no-hf --no-plot --out "$OUT_DIR/tp-decode"
+      ;;
   esac
 done
 

@@ -1,4 +1,4 @@
-"""Shared test set-up: the `cuda` marker skips without a GPU; small logging."""
+"""Shared test set-up: the `cuda` marker skips without a GPU, `multigpu` with fewer than two; small logging."""
 
 from __future__ import annotations
 
@@ -7,6 +7,11 @@ import torch
 
 
 def pytest_collection_modifyitems(config, items):
+    if torch.cuda.device_count() < 2:
+        skip_multi = pytest.mark.skip(reason=f"needs 2 or more CUDA GPUs; torch sees {torch.cuda.device_count()}")
+        for item in items:
+            if "multigpu" in item.keywords:
+                item.add_marker(skip_multi)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (bash scripts/gpu_suite.sh tests runs these on one)")

@@ -27,8 +27,8 @@ from checkpoints import hf_greedy_generate, make_tiny_checkpoint
 from configs import SamplingParams
 from runner import LLM
 from runner.engine import EngineDeadError
-from runner.pipeline.executor import PipelineWorkerError
-from runner.pipeline.layers import split_layers
+from runner.distributed.executor import WorkerError
+from runner.distributed.layers import split_layers
 from runner.scheduler import SchedulerOutput
 
 REPO = Path(__file__).resolve().parent.parent
@@ -171,11 +171,11 @@ def test_killed_worker_is_an_error_naming_the_rank(untied):
         os.kill(pids[1], signal.SIGKILL)  # between generate() calls, the middle rank
         started = time.monotonic()
         outs = llm.generate(prompts[:2], GREEDY, use_tqdm=False)  # the engine dies: each request says why
-        _assert_failed(outs, r"PipelineWorkerError: .*rank 1 \(pid \d+\) died \(exit code -9, SIGKILL\)")
+        _assert_failed(outs, r"WorkerError: worker rank 1 \(pp stage 1, tp rank 0\) died: pid \d+, exit code -9, SIGKILL")
         assert time.monotonic() - started < 30
         assert multiprocessing.active_children() == []  # the survivor was stopped at once
         assert not any(_alive(pid) for pid in pids.values())
-        with pytest.raises(PipelineWorkerError, match="the pipeline is down: pipeline worker rank 1"):
+        with pytest.raises(WorkerError, match=r"the distributed executor is down: worker rank 1 \(pp stage 1"):
             llm.engine.executor.execute(SchedulerOutput([], 0, [], ["0"]))
         with pytest.raises(EngineDeadError, match="rank 1"):  # later calls: one clear error at once
             llm.generate(prompts[:1], GREEDY, use_tqdm=False)
@@ -200,7 +200,7 @@ def test_worker_killed_mid_generation(untied):
         while engine.has_unfinished_requests():
             outs += engine.step()
         killer.join()
-        _assert_failed([o for o in outs if o.finished], r"PipelineWorkerError: pipeline worker rank 1 .*died .*SIGKILL",
+        _assert_failed([o for o in outs if o.finished], r"WorkerError: worker rank 1 .*died: .*SIGKILL",
                        count=4)
         with pytest.raises(EngineDeadError):
             engine.step()
@@ -247,7 +247,7 @@ def test_worker_error_reports_its_traceback(untied, tmp_path):
     save_file({k: v for k, v in weights.items() if not k.startswith("model.layers.3.")}, broken / "model.safetensors",
               metadata={"format": "pt"})
     with hang_guard(120):
-        with pytest.raises(PipelineWorkerError, match=r"(?s)pipeline worker rank 1 failed:\n.*Traceback.*layers\.3"):
+        with pytest.raises(WorkerError, match=r"(?s)worker rank 1 \(pp stage 1, tp rank 0\) failed:\n.*Traceback.*layers\.3"):
             LLM(model=str(broken), pipeline_parallel_size=2, **CPU)
     assert multiprocessing.active_children() == []
 
@@ -266,7 +266,7 @@ def test_worker_step_error_reports_its_traceback(untied, tmp_path, monkeypatch):
     with hang_guard(120), LLM(model=str(path), pipeline_parallel_size=2, **CPU) as llm:
         monkeypatch.delenv("PYTHONPATH")
         outs = llm.generate(prompts[:2], GREEDY, use_tqdm=False)
-        _assert_failed(outs, r"pipeline worker rank 1 failed:\n.*sample.*ValueError: injected sampler failure")
+        _assert_failed(outs, r"worker rank 1 \(pp stage 1, tp rank 0\) failed:\n.*sample.*ValueError: injected sampler failure")
     assert multiprocessing.active_children() == []
 
 

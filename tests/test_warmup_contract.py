@@ -111,7 +111,7 @@ def test_start_up_sequence_on_cpu_leaves_graphs_off(runner_factory, tmp_path):
     runner, config = runner_factory("FULL_AND_PIECEWISE")
     runner.cudagraph_mode = CUDAGraphMode.NONE
     runner.dispatcher.mode = CUDAGraphMode.NONE
-    blocks = start_model_runner(runner, config, agree=lambda n: n)
+    blocks = start_model_runner(runner, config)
     assert blocks == 32 and not runner.cuda_graph_ready
 
 

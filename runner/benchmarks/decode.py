@@ -1,15 +1,18 @@
 """Decode-step latency per CUDA graph mode vs HF transformers eager and the memory floor, same run.
 
-(A benchmark of ~580 lines on purpose: the engine side, the HF side, the bandwidth floor and the
+(A benchmark of ~620 lines on purpose: the engine side, the HF side, the bandwidth floor and the
 report of one comparison stay in one file so a figure and its method are read together.)
 
     graphrunner bench decode [--shapes smollm2-135m llama-3.2-1b llama-3-8b]
         [--batch-sizes 1 8 32 128] [--modes NONE PIECEWISE FULL] [--warmup 5] [--steps 20]
         [--prompt-len 128] [--async-scheduling {auto,on,off}] [--no-hf] [--hf-max-batch N] [--quick]
-        [--out DIR] [--no-plot]
+        [--tensor-parallel-size 1 2] [--out DIR] [--no-plot]
 
 Model shapes come from runner/benchmarks/model_shapes.py, with random (`load_format="dummy"`) bf16 weights.
-One engine per (shape, mode), graphs captured for exactly the batch sizes asked. For each batch
+One engine per (shape, mode, tensor-parallel size), graphs captured for exactly the batch sizes
+asked. `--tensor-parallel-size 1 2` runs every mode at TP=1 and at TP=2 (one GPU per rank; rows
+of TP=N > 1 are labelled `MODE tpN`, their floor is per rank: 1/N of the bytes) and ends with a
+table of the TP=N / TP=1 step-time ratios. For each batch
 size B: B requests with a random `--prompt-len`-token prompt (greedy, ignore_eos) are added, steps
 run until every request has its first token (prefill, chunked as the scheduler likes), then
 `--warmup` decode steps are discarded and `--steps` decode steps are timed. Each decode step is
@@ -58,7 +61,7 @@ runner's capture summary; measured graph reserve) and then the main table, last.
 writes the figures to DIR/decode.json and a plot to DIR/decode.png (ms/step vs batch size, log y,
 one panel per shape).
 
-One file of ~580 lines: the step marks, the engine and HF loops, the floor and the report share the
+One file of ~620 lines: the step marks, the engine and HF loops, the floor and the report share the
 Row / EngineFigures types and are read together when a figure looks wrong; runner/benchmarks/host.py
 and attention.py import its Clock, StepMarks and copy_bandwidth.
 """
@@ -249,6 +252,7 @@ class Row:
     pct_of_floor: float | None = None
     hf_ms_per_step: float | None = None
     speedup_vs_hf: float | None = None
+    tensor_parallel_size: int = 1
     step_ms: list[float] = field(default_factory=list)
 
 
@@ -268,7 +272,7 @@ def max_tokens_for(batch_size: int, args) -> int:
     return prefill_step_bound(batch_size, args.prompt_len, args.max_num_batched_tokens) + 3 + args.warmup + args.steps
 
 
-def build_engine(folder: Path, mode: str, args):
+def build_engine(folder: Path, mode: str, args, tensor_parallel_size: int = 1):
     from runner import LLM
     max_bs = max(args.batch_sizes)
     per_request = -(-(args.prompt_len + max_tokens_for(max_bs, args)) // BLOCK_SIZE)
@@ -276,7 +280,7 @@ def build_engine(folder: Path, mode: str, args):
     return LLM(model=str(folder), load_format="dummy", dtype=args.dtype, device=args.device, cudagraph_mode=mode,
                cudagraph_capture_sizes=sorted(set(args.batch_sizes)), max_num_seqs=max_bs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-               num_kv_blocks=num_blocks, block_size=BLOCK_SIZE, seed=0,
+               num_kv_blocks=num_blocks, block_size=BLOCK_SIZE, seed=0, tensor_parallel_size=tensor_parallel_size,
                async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
 
 
@@ -338,13 +342,20 @@ def bench_engine_batch(llm, shape: str, mode: str, batch_size: int, args) -> Row
                call_ms=None if engine.async_scheduling else statistics.median(call_ms), step_ms=step_ms)
 
 
-def bench_engine(shape: str, folder: Path, mode: str, args) -> tuple[EngineFigures, list[Row]]:
+def tp_label(mode: str, tensor_parallel_size: int) -> str:
+    """A row's mode column: the graph mode, with ` tpN` for a tensor-parallel engine."""
+    return mode if tensor_parallel_size == 1 else f"{mode} tp{tensor_parallel_size}"
+
+
+def bench_engine(shape: str, folder: Path, mode: str, args, tensor_parallel_size: int = 1
+                 ) -> tuple[EngineFigures, list[Row]]:
     started = time.perf_counter()
-    llm = build_engine(folder, mode, args)
+    llm = build_engine(folder, mode, args, tensor_parallel_size)
+    label = tp_label(mode, tensor_parallel_size)
     startup = time.perf_counter() - started
     runner = llm.engine.model_runner
     summary = getattr(runner, "capture_summary", None)
-    figures = EngineFigures(shape=shape, mode=mode, resolved_mode=runner.cudagraph_mode.name, startup_s=startup,
+    figures = EngineFigures(shape=shape, mode=label, resolved_mode=runner.cudagraph_mode.name, startup_s=startup,
                             async_scheduling=llm.engine.async_scheduling, cuda_graph_ready=runner.cuda_graph_ready,
                             graph_reserve_bytes=int(getattr(runner, "graph_reserve_bytes", 0) or 0))
     if summary is not None:
@@ -353,7 +364,8 @@ def bench_engine(shape: str, folder: Path, mode: str, args) -> tuple[EngineFigur
     rows = []
     try:
         for batch_size in args.batch_sizes:
-            rows.append(bench_engine_batch(llm, shape, mode, batch_size, args))
+            rows.append(bench_engine_batch(llm, shape, label, batch_size, args))
+            rows[-1].tensor_parallel_size = tensor_parallel_size
             log(f"  {shape} {mode:9s} bs {batch_size:4d}{' async' if rows[-1].async_scheduling else ''}: "
                 f"{rows[-1].ms_per_step:8.3f} ms/step, host {rows[-1].host_ms:.3f} ms")
     finally:
@@ -434,6 +446,21 @@ def main_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def tp_ratio_table(rows: list[Row]) -> str:
+    """TP=N step time over TP=1's, per shape, mode and batch size (issue 22's goal: <= 0.6 at bs 1, TP=2)."""
+    base = {(r.shape, r.mode, r.batch_size): r.ms_per_step for r in rows if r.tensor_parallel_size == 1}
+    lines = ["| shape | bs | mode | TP | ms/step | TP=1 ms/step | ratio to TP=1 |", "|---|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        if r.tensor_parallel_size == 1:
+            continue
+        mode = r.mode.rsplit(" tp", 1)[0]
+        one = base.get((r.shape, mode, r.batch_size))
+        ratio = None if one is None else r.ms_per_step / one
+        lines.append(f"| {r.shape} | {r.batch_size} | {mode} | {r.tensor_parallel_size} | {r.ms_per_step:.3f} | "
+                     f"{fmt(one, '.3f')} | {fmt(ratio, '.3f')} |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[Row], hf: dict[str, dict[int, float]], shapes: list[str], path: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -491,6 +518,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     parser.add_argument("--hf-max-batch", type=int, default=None,
                         help="run HF only up to this batch size (e.g. to skip HF bs 128 on the 8B shape)")
+    parser.add_argument("--tensor-parallel-size", "-tp", nargs="+", type=int, default=[1],
+                        help="tensor-parallel sizes to run each mode at (one GPU per rank), e.g. 1 2")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: smollm2-135m, batch sizes 1 32, warmup 3, steps 10")
     add_out_argument(parser)
@@ -508,6 +537,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.shapes = args.shapes or DEFAULT_SHAPES
     args.batch_sizes = sorted(set(args.batch_sizes or [1, 8, 32, 128]))
     args.modes = args.modes or ["NONE", "PIECEWISE", "FULL"]
+    if min(args.tensor_parallel_size) < 1:
+        parser.error("--tensor-parallel-size: sizes must be >= 1")
+    args.tensor_parallel_size = list(dict.fromkeys(args.tensor_parallel_size))
     if args.steps < 1 or args.warmup < 0 or min(args.batch_sizes) < 1:
         parser.error("--steps must be >= 1, --warmup >= 0, batch sizes >= 1")
     if args.prompt_len + max_tokens_for(max(args.batch_sizes), args) > args.max_model_len:
@@ -541,10 +573,11 @@ def run(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_decode_") as tmp:
         for shape in args.shapes:
             folder = write_config(shape, Path(tmp) / shape, dtype=args.dtype, **overrides)
-            for mode in args.modes:
-                figures, mode_rows = bench_engine(shape, folder, mode, args)
-                engines.append(figures)
-                rows.extend(mode_rows)
+            for tp in args.tensor_parallel_size:
+                for mode in args.modes:
+                    figures, mode_rows = bench_engine(shape, folder, mode, args, tp)
+                    engines.append(figures)
+                    rows.extend(mode_rows)
             hf_sizes = [b for b in args.batch_sizes if args.hf_max_batch is None or b <= args.hf_max_batch]
             if not args.no_hf and hf_sizes:
                 hf[shape] = bench_hf(folder, hf_sizes, args)
@@ -552,7 +585,7 @@ def run(argv: list[str] | None = None) -> dict:
     for r in rows:
         weights = parameter_bytes(r.shape, elem, **overrides)
         kv = r.batch_size * r.context * kv_bytes_per_token(r.shape, elem, **overrides)
-        r.floor_ms = (weights + kv) / bandwidth * 1e3
+        r.floor_ms = (weights + kv) / r.tensor_parallel_size / bandwidth * 1e3
         r.pct_of_floor = 100 * r.floor_ms / r.ms_per_step
         r.hf_ms_per_step = hf.get(r.shape, {}).get(r.batch_size)
         if r.hf_ms_per_step is not None:
@@ -563,7 +596,7 @@ def run(argv: list[str] | None = None) -> dict:
     result = {
         "device": device_name, "torch": torch.__version__, "transformers": transformers.__version__,
         "dtype": args.dtype, "prompt_len": args.prompt_len, "warmup_steps": args.warmup, "timed_steps": args.steps,
-        "async_scheduling": args.async_scheduling,
+        "async_scheduling": args.async_scheduling, "tensor_parallel_sizes": args.tensor_parallel_size,
         "max_model_len": args.max_model_len, "copy_bandwidth_bytes_per_s": bandwidth,
         "num_layers_override": args.num_layers, "seconds": time.perf_counter() - started,
         "engines": [asdict(e) for e in engines],
@@ -579,6 +612,9 @@ def run(argv: list[str] | None = None) -> dict:
     print(capture_table(engines))
     print()
     print(main_table(rows))
+    if len(args.tensor_parallel_size) > 1:
+        print()
+        print(tp_ratio_table(rows))
     return result
 
 

@@ -91,6 +91,12 @@ class CudagraphDispatcher:
         """Graphs are captured: dispatch may now pick them."""
         self.ready = True
 
+    def has(self, runtime_mode: CUDAGraphMode, key: BatchDescriptor | None) -> bool:
+        """Whether this dispatcher may serve `(runtime_mode, key)` (NONE: always)."""
+        if runtime_mode == CUDAGraphMode.NONE:
+            return key is None
+        return self.ready and key in self._keys.get(runtime_mode, ())
+
     def keys(self, runtime_mode: CUDAGraphMode) -> list[BatchDescriptor]:
         """Keys of one runtime mode (FULL or PIECEWISE), largest first."""
         return sorted(self._keys.get(runtime_mode, ()), key=_largest_first)

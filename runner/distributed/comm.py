@@ -1,0 +1,213 @@
+"""torch.distributed plumbing of a multi-process engine: process groups, the step broadcast,
+the pipeline's tensor p2p, the reply path to rank 0, and the start-up agreements.
+
+Groups (docs/PARALLEL.md, "Process groups"):
+- `tensor_group` (the default group, every rank): NCCL on a GPU, gloo on a CPU; hidden states and
+  residuals go (stage s, tp rank t) -> (stage s+1, tp rank t) over it. Its timeout is
+  `distributed_init_timeout_s`, which therefore also bounds how long a stage waits for its
+  neighbour inside one step.
+- `tp_group`: the ranks of this rank's pipeline stage (Topology.tp_group_ranks), NCCL on a GPU,
+  gloo on a CPU; the model's all-reduces and all-gathers run on it (models/parallel_state.py).
+  None when tensor_parallel_size is 1.
+- `control_group`: gloo with the same bounded timeout, for start-up collectives (the KV block
+  count, the graph plan). On a CPU it is the default group itself.
+- `object_group`: gloo with no practical timeout, for pickled messages (scheduler outputs, the
+  stop message; under torchrun also the replies). Workers sit in its broadcast between
+  generate() calls, so a bounded timeout would kill an idle engine. A dead peer still
+  surfaces at once: gloo fails an operation whose peer connection closes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from runner.distributed.topology import Topology
+
+NO_TIMEOUT = datetime.timedelta(days=365)
+
+PEER_LOSS_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+"""In a rank's error: *another* process went away (a consequence of a failure, not its cause)."""
+
+# The GPU hosts this runs on need NVLink multicast (NVLS / symmetric-memory multicast) off.
+DISTRIBUTED_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+def set_distributed_env() -> None:
+    """Set in this process before any group exists; spawned workers inherit os.environ."""
+    os.environ.update(DISTRIBUTED_ENV)
+
+
+@dataclass
+class DistributedGroups:
+    rank: int
+    topology: Topology
+    backend: str
+    tensor_group: object
+    control_group: object
+    object_group: object
+    tp_group: object
+    owns_default_group: bool
+    tp_groups: tuple = ()
+    """Every stage's TP group (new_group is collective: each rank made all of them)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def stage(self) -> int:
+        return self.topology.stage(self.rank)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.topology.tp_rank(self.rank)
+
+    @property
+    def prev_rank(self) -> int | None:
+        return self.topology.prev_rank(self.rank)
+
+    @property
+    def next_rank(self) -> int | None:
+        return self.topology.next_rank(self.rank)
+
+    @property
+    def is_sampler(self) -> bool:
+        """This rank samples and sends the step's tokens to rank 0."""
+        return self.rank == self.topology.sampler_rank
+
+
+def init_groups(backend: str, rank: int, topology: Topology, timeout_s: float,
+                store: dist.Store | None = None) -> DistributedGroups:
+    """Join (or, under torchrun, reuse) the default group and create the other groups.
+    `store=None` means env:// (torchrun's MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    world_size = topology.world_size
+    owns = not dist.is_initialized()
+    if owns:
+        if store is None:
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    elif dist.get_world_size() != world_size or dist.get_rank() != rank:
+        raise RuntimeError(f"torch.distributed is already initialized as rank {dist.get_rank()} of "
+                           f"{dist.get_world_size()}, but the engine needs rank {rank} of {world_size}")
+    backend = dist.get_backend()
+    # new_group is collective: every rank creates the same groups in the same order.
+    control = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    objects = dist.new_group(backend="gloo", timeout=NO_TIMEOUT)
+    tp_groups, mine = (), None
+    if topology.tp_size > 1:
+        tp_groups = tuple(dist.new_group(topology.tp_group_ranks(stage), backend=backend, timeout=timeout)
+                          for stage in range(topology.pp_size))
+        mine = tp_groups[topology.stage(rank)]
+    return DistributedGroups(rank, topology, backend, None, control, objects, mine, owns, tp_groups)
+
+
+def destroy_groups(groups: DistributedGroups | None, abort: bool = False) -> None:
+    """Destroy what `init_groups` created (the default group only if it made it).
+    `abort`: a peer died, so NCCL communicators may hold operations that never complete;
+    abort them rather than wait (gloo needs nothing special)."""
+    if groups is None or not dist.is_initialized():
+        return
+    abort = abort and groups.backend == "nccl"
+    if groups.owns_default_group:
+        _destroy(None, abort)  # the default group takes every other group with it
+        return
+    for group in (*groups.tp_groups, groups.object_group, groups.control_group):
+        if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
+            _destroy(group, abort)
+
+
+def _destroy(group, abort: bool) -> None:
+    try:
+        aborter = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort and aborter is not None:
+            aborter(group)
+        else:
+            dist.destroy_process_group(group)
+    except Exception:  # noqa: BLE001 - tearing down, possibly after a failure: best effort
+        pass
+
+
+# ---- messages ------------------------------------------------------------------------------
+def broadcast_message(message, groups: DistributedGroups):
+    """Rank 0 passes the message and gets it back; the others pass None and get rank 0's."""
+    box = [message if groups.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=groups.object_group)
+    return box[0]
+
+
+def send_message(message, dst: int, groups: DistributedGroups) -> None:
+    dist.send_object_list([message], dst=dst, group=groups.object_group)
+
+
+def recv_message(src: int, groups: DistributedGroups):
+    box = [None]
+    dist.recv_object_list(box, src=src, group=groups.object_group)
+    return box[0]
+
+
+# ---- start-up agreements ---------------------------------------------------------------------
+def all_reduce_min(value: int, groups: DistributedGroups) -> int:
+    """The smallest `value` over all ranks (the KV block count every rank then allocates)."""
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=groups.control_group)
+    return int(tensor.item())
+
+
+def all_gather_objects(value, groups: DistributedGroups) -> list:
+    """Every rank's `value`, in rank order (the graph plan each rank would use on its own)."""
+    values = [None] * groups.world_size
+    dist.all_gather_object(values, value, group=groups.control_group)
+    return values
+
+
+class Agreement:
+    """The start-up agreements `start_model_runner` makes across every rank of the world (a
+    single process agrees with itself: `Agreement()`)."""
+
+    def __init__(self, groups: DistributedGroups | None = None) -> None:
+        self.groups = groups
+
+    def min(self, value: int) -> int:
+        return value if self.groups is None else all_reduce_min(value, self.groups)
+
+    def gather(self, value) -> list:
+        return [value] if self.groups is None else all_gather_objects(value, self.groups)
+
+
+# ---- tensors -------------------------------------------------------------------------------
+def send_tensors(tensors, num_tokens: int, dst: int, groups: DistributedGroups) -> None:
+    """Send the first `num_tokens` rows of hidden_states, then of residual, to rank `dst`.
+    Blocking sends: on NCCL `wait()` makes the current stream wait for the send, so the next
+    step's graph replay cannot overwrite a persistent output buffer still being sent."""
+    for tensor in (tensors.hidden_states, tensors.residual):
+        rows = tensor[:num_tokens]
+        dist.send(rows if rows.is_contiguous() else rows.contiguous(), dst=dst, group=groups.tensor_group)
+
+
+def recv_tensors_into(view, src: int, groups: DistributedGroups) -> None:
+    """Receive hidden_states then residual from `src` straight into `view` (views of the
+    persistent receive buffers), so the graphs of this stage see the same addresses every step."""
+    for tensor in (view.hidden_states, view.residual):
+        dist.recv(tensor, src=src, group=groups.tensor_group)
+
+
+def warm_up_communicators(device: torch.device, dtype: torch.dtype, groups: DistributedGroups) -> None:
+    """One tiny message down each pipeline chain (stage 0 -> 1 -> ... for every TP rank) and one
+    all-reduce in each TP group. On NCCL this creates the communicators now, before the KV cache
+    is sized, so their memory is counted."""
+    probe = torch.zeros(1, dtype=dtype, device=device)
+    if groups.prev_rank is not None:
+        dist.recv(probe, src=groups.prev_rank, group=groups.tensor_group)
+    if groups.next_rank is not None:
+        dist.send(probe, dst=groups.next_rank, group=groups.tensor_group)
+    if groups.tp_group is not None:
+        dist.all_reduce(probe, group=groups.tp_group)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
