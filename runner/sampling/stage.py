@@ -18,7 +18,7 @@ import torch
 from runner.outputs import ModelRunnerOutput, PendingOutput
 from runner.sampling.logprobs import logprobs_entries
 from runner.sampling.processors import LogitsProcessors
-from runner.sampling.sampler import Sampler, SamplingMetadata
+from runner.sampling.sampler import Sampler, SamplingMetadata, argmax_rows
 from runner.sampling.state import SamplingStates
 from runner.scheduler import ScheduledRequest
 
@@ -53,7 +53,8 @@ class SamplingStage:
         (from `PromptLogprobs.launch`, enqueued before this) builds the step's prompt logprobs
         once its copies are on the host. `token_bitmask` (structured output, a TokenBitmask of the
         constrained rows, or None) is applied to the logits first; a step with one never takes
-        `fast_greedy` (the graph's argmax or the CPU screen would ignore the mask)."""
+        `fast_greedy` (the graph's argmax or the CPU screen would ignore the mask): a plain greedy
+        one masks `logits()` in place and takes their argmax, without the sampler's metadata."""
         if not reqs:
             if prompt_logprobs is None:
                 return PendingOutput.ready(ModelRunnerOutput({}))
@@ -62,9 +63,13 @@ class SamplingStage:
         params = [req.sampling_params for req in reqs]
         processors = LogitsProcessors.build(reqs, self.states, self.vocab_size, self.to_device)
         logprobs = None
-        if (processors is None and token_bitmask is None
-                and all(p.temperature == 0.0 and p.logprobs is None for p in params)):
+        plain_greedy = processors is None and all(p.temperature == 0.0 and p.logprobs is None for p in params)
+        if plain_greedy and token_bitmask is None:
             sampled = fast_greedy()
+        elif plain_greedy:  # structured greedy: the mask on the logits (in place), then their argmax
+            masked = logits()
+            token_bitmask.apply(masked)
+            sampled = argmax_rows(masked)
         else:
             generators = {row: self.states.generator(req) for row, req in enumerate(reqs)
                           if req.sampling_params.seed is not None}
