@@ -27,6 +27,16 @@ def _greedy_kernels():
     return greedy
 
 
+@functools.cache
+def _race_kernel():
+    """runner/sampling/race_kernel.py (Triton), or None where Triton is not installed."""
+    try:
+        from runner.sampling import race_kernel
+    except ImportError:
+        return None
+    return race_kernel
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """`logits.argmax(dim=-1)` of 2-D logits; on a GPU by runner/greedy.py's two short launches
     (torch's one-block reduction is slow for one row of a large vocabulary: see that module). On a
@@ -120,7 +130,9 @@ class Sampler:
     first; logprobs are those of the logits as the model produced them (vLLM's default).
     Greedy rows take the argmax. Random rows: logits / temperature, then min-p, top-k and
     top-p masks (vLLM's order; top-p is taken over the distribution already renormalized
-    by min-p and top-k) as one per-row threshold, then an exponential race (see `_race`).
+    by min-p and top-k) as one per-row threshold on the logits, then an exponential race
+    (`_race` in torch on a CPU; on a GPU runner/sampling/race_kernel.py does filter, temperature
+    and race in one pass over the logits).
     Mixed batches compute both and pick per row with torch.where.
     """
 
@@ -138,7 +150,13 @@ class Sampler:
         if metadata.all_greedy:
             sampled = greedy_ids
         else:
-            sampled = self._race(self.masked_logits(logits, metadata, inplace=owned), metadata.generators)
+            kernel = _race_kernel() if logits.is_cuda and logits.stride(1) == 1 else None
+            if kernel is not None:  # one pass over the logits (runner/sampling/race_kernel.py)
+                threshold = self.threshold(logits, metadata)
+                sampled = kernel.race(logits, self._temperature(metadata), threshold,
+                                      kernel.row_seeds(logits.shape[0], metadata.generators, logits.device))
+            else:
+                sampled = self._race(self.masked_logits(logits, metadata, inplace=owned), metadata.generators)
             if greedy_ids is not None:
                 sampled = torch.where(metadata.temperature < _SAMPLING_EPS, greedy_ids, sampled)
         logprobs = None
@@ -146,40 +164,51 @@ class Sampler:
             logprobs = self._logprobs(raw, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
+    @staticmethod
+    def _temperature(metadata: SamplingMetadata) -> torch.Tensor:
+        """[N, 1]: the rows' temperatures, 1 for greedy rows (their draw is discarded anyway)."""
+        return metadata.temperature.masked_fill(metadata.temperature < _SAMPLING_EPS, 1.0).unsqueeze(1)
+
     def masked_logits(self, logits: torch.Tensor, metadata: SamplingMetadata, inplace: bool = False) -> torch.Tensor:
         """Temperature-scaled logits with every filtered-out token set to -inf (a new tensor, or
-        `logits` itself when `inplace`).
-
-        Every filter is a per-row threshold on the scaled values, so the mask is one pass:
-        min-p from the row's maximum, top-k and top-p from the row's largest values only
-        (`_top_k_top_p_threshold`: a top-k of the largest top_k, no sort of the vocabulary,
-        unless a row asks for top-p without top-k). Greedy rows are scaled by 1 instead of 0;
-        their result is discarded anyway.
-        """
-        temp = metadata.temperature.masked_fill(metadata.temperature < _SAMPLING_EPS, 1.0).unsqueeze(1)
+        `logits` itself when `inplace`): every filter is one per-row threshold (`threshold`)."""
+        temp = self._temperature(metadata)
+        threshold = self.threshold(logits, metadata)
+        drop = None if threshold is None else logits < threshold
         x = logits.div_(temp) if inplace else logits / temp
-        threshold = None
-        if not metadata.no_min_p:
-            # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p): no softmax needed.
-            # min_p = 0 gives log 0 = -inf, which masks nothing.
-            threshold = x.amax(dim=-1, keepdim=True) + metadata.min_p.log().unsqueeze(1)
-        if not (metadata.no_top_k and metadata.no_top_p):
-            top = self._top_k_top_p_threshold(x, metadata, threshold)
-            threshold = top if threshold is None else torch.maximum(threshold, top)
-        if threshold is not None:
-            x = x.masked_fill_(x < threshold, float("-inf"))
+        if drop is not None:
+            x = x.masked_fill_(drop, float("-inf"))
         return x
 
-    @staticmethod
-    def _top_k_top_p_threshold(x: torch.Tensor, metadata: SamplingMetadata,
+    def threshold(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor | None:
+        """[N, 1]: the smallest logit min-p, top-k and top-p keep in each row (None: no filter).
+
+        On the logits before temperature (dividing by a positive temperature keeps their order),
+        so no scaled copy of the batch is needed: min-p from the row's maximum, top-k and top-p
+        from the row's largest values only (`_top_k_top_p_threshold`: a top-k of the largest
+        top_k, no sort of the vocabulary unless a row asks for top-p without top-k).
+        """
+        threshold = None
+        if not metadata.no_min_p:
+            # p_i < min_p * p_max  <=>  x_i / T < x_max / T + log(min_p): no softmax needed.
+            # min_p = 0 gives log 0 = -inf, which masks nothing.
+            log_min_p = metadata.min_p.log().unsqueeze(1)
+            threshold = logits.amax(dim=-1, keepdim=True) + self._temperature(metadata) * log_min_p
+        if not (metadata.no_top_k and metadata.no_top_p):
+            top = self._top_k_top_p_threshold(logits, metadata, threshold)
+            threshold = top if threshold is None else torch.maximum(threshold, top)
+        return threshold
+
+    def _top_k_top_p_threshold(self, x: torch.Tensor, metadata: SamplingMetadata,
                                min_p_threshold: torch.Tensor | None) -> torch.Tensor:
-        """[N, 1]: the smallest scaled value top-k and top-p keep in each row (-inf: keep all).
+        """[N, 1]: the smallest logit top-k and top-p keep in each row (-inf: keep all).
 
         top-k keeps tokens >= the k-th largest value (ties with it are all kept); over the tokens
         min-p keeps, when fewer than k are left it keeps them all. top-p then keeps the smallest
-        most-likely-first prefix whose mass, in the distribution renormalized over what min-p
-        and top-k keep, is >= top_p: a token is kept when the mass of the tokens above it is <
-        top_p (the most likely token always is); tokens tied with the last kept one are kept too.
+        most-likely-first prefix whose mass, in the distribution (after temperature) renormalized
+        over what min-p and top-k keep, is >= top_p: a token is kept when the mass of the tokens
+        above it is < top_p (the most likely token always is); tokens tied with the last kept one
+        are kept too.
 
         Only the `candidates` largest values of each row are needed (`torch.topk`, sorted): the
         top-k threshold is the k-th of them, and everything top-p keeps is among them. The only
@@ -194,23 +223,23 @@ class Sampler:
             values = x.topk(k_max, dim=-1).values  # sorted, largest first
         if min_p_threshold is not None:
             values = values.masked_fill(values < min_p_threshold, float("-inf"))
-        neg_inf = torch.tensor(float("-inf"), device=x.device)
+        neg_inf = float("-inf")   # a Python scalar: no upload
         top_k = metadata.top_k
-        k_on = top_k > 0
         if metadata.no_top_k:
-            k_threshold = neg_inf.expand(x.shape[0], 1)
+            k_threshold = values.new_full((x.shape[0], 1), neg_inf)
         else:
             index = (top_k.clamp(max=k_max) - 1).clamp(min=0).unsqueeze(1)
-            k_threshold = torch.where(k_on.unsqueeze(1), values.gather(1, index), neg_inf)
+            k_threshold = torch.where((top_k > 0).unsqueeze(1), values.gather(1, index), neg_inf)
         if metadata.no_top_p:
             return k_threshold
+        temp = self._temperature(metadata)
         kept = (values >= k_threshold) & (values > float("-inf"))   # a prefix; min-p's -inf never
-        weights = torch.where(kept, torch.exp(values - values[:, :1]), 0.0)
+        weights = torch.where(kept, torch.exp((values - values[:, :1]) / temp), 0.0)
         total = weights.sum(dim=-1, keepdim=True)
         if k_max < vocab:  # ties with the k-th value past the candidates (k_threshold finite there)
             beyond = (x >= k_threshold).sum(dim=-1, keepdim=True) - kept.sum(dim=-1, keepdim=True)
             finite = torch.isfinite(k_threshold)
-            total = total + torch.where(finite, beyond * torch.exp(k_threshold - values[:, :1]), 0.0)
+            total = total + torch.where(finite, beyond * torch.exp((k_threshold - values[:, :1]) / temp), 0.0)
         above = weights.cumsum(dim=-1) - weights   # mass of the candidates before each
         keep_p = kept & (above < metadata.top_p.unsqueeze(1) * total)
         last = (keep_p.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
