@@ -214,7 +214,7 @@ class LLMEngine:
             result = pending.resolve()
         except Exception:
             return
-        if result.grammar_errors is None:
+        if getattr(result, "grammar_errors", None) is None:
             result.grammar_errors = self._advance_matchers(result.sampled)
 
     def _advance_matchers(self, sampled: dict[str, int]) -> dict[str, str]:
@@ -231,9 +231,10 @@ class LLMEngine:
         refused token fails that request alone (the token is dropped: the scheduler then skips the
         finished request)."""
         failed = []
-        if result.grammar_errors is None:
-            result.grammar_errors = self._advance_matchers(result.sampled)
-        for request_id, error in result.grammar_errors.items():
+        errors = getattr(result, "grammar_errors", None)
+        if errors is None:
+            errors = self._advance_matchers(result.sampled)
+        for request_id, error in errors.items():
             tracked = self._tracked.get(request_id)
             if tracked is not None:
                 logger.warning("request %r failed: %s", request_id, error)
