@@ -216,15 +216,38 @@ class LLMEngine:
             self.executor.model_runner.token_bitmask_provider = self._structured.token_bitmask
         return self._structured
 
-    def _accept_structured(self, sampled: dict[str, int]) -> list[tuple[RequestState, CompletionOutput | None]]:
-        """Advance each structured request's matcher by its token; a refused token fails that
-        request alone (the token is dropped: the scheduler then skips the finished request)."""
-        failed = []
-        structured = self._structured
+    def _accept_early(self, pending: PendingOutput) -> None:
+        """Async scheduling, called by the next step's bitmask fill: wait for the tokens of the step in
+        flight and advance the matchers by them now; `_apply` then reports the refused ones. If the
+        step failed, nothing is advanced: `_resolve_and_apply` meets the error again and forgets
+        the step being launched."""
+        try:
+            result = pending.resolve()
+        except Exception:
+            return
+        if getattr(result, "grammar_errors", None) is None:
+            result.grammar_errors = self._advance_matchers(result.sampled)
+
+    def _advance_matchers(self, sampled: dict[str, int]) -> dict[str, str]:
+        """Each structured request's matcher takes its token; {request id: error} of the refused."""
+        structured, errors = self._structured, {}
         for request_id in [r for r in sampled if r in structured.states]:
             error = structured.accept(request_id, sampled[request_id])
+            if error is not None:
+                errors[request_id] = error
+        return errors
+
+    def _accept_structured(self, result) -> list[tuple[RequestState, CompletionOutput | None]]:
+        """Advance each structured request's matcher by its token (unless `_accept_early` did); a
+        refused token fails that request alone (the token is dropped: the scheduler then skips the
+        finished request)."""
+        failed = []
+        errors = getattr(result, "grammar_errors", None)
+        if errors is None:
+            errors = self._advance_matchers(result.sampled)
+        for request_id, error in errors.items():
             tracked = self._tracked.get(request_id)
-            if error is not None and tracked is not None:
+            if tracked is not None:
                 logger.warning("request %r failed: %s", request_id, error)
                 failed.append((tracked, self._fail(tracked, error)))
         return failed
@@ -387,7 +410,7 @@ class LLMEngine:
         now = time.monotonic()
         structured = self._structured if self._structured is not None and self._structured.active else None
         finished: list[tuple[RequestState, CompletionOutput | None]] = (
-            [] if structured is None else self._accept_structured(result.sampled))
+            [] if structured is None else self._accept_structured(result))
         for request_id, entries in getattr(result, "prompt_logprobs", {}).items():
             tracked = self._tracked.get(request_id)
             if tracked is not None and tracked.prompt_logprobs is not None:
@@ -421,20 +444,13 @@ class LLMEngine:
         The scheduler plans n+1 with step n in flight: placeholders for n's tokens (the runner
         gathers them on the device), and no request whose token in flight certainly ends it.
         Requests that stopped at step n lose their n+1 work when n is applied. When n+1 would
-        have to preempt, step n is applied first (a drain) and n+1 scheduled after it. A launch
+        have to preempt, step n is applied first (a drain) and n+1 scheduled after it. With
+        structured output, n+1's bitmask fill first waits for n's tokens and advances the
+        matchers (`_accept_early`), after n+1's forward is launched: no drain. A launch
         that fails fails the requests of n+1 (n is still applied); a step n whose tokens never
         arrive fails its requests and forgets n+1 (the others' work is scheduled again)."""
         outputs = self._undelivered  # grows as steps are applied; kept for the next call if anything raises
         previous = self._in_flight
-        if previous is not None and self._structured is not None and self._structured.active:
-            # Structured output: the next step's bitmask needs this step's tokens in the matchers,
-            # so apply it before scheduling (the host work of such steps does not overlap the device).
-            self._in_flight = None
-            outputs += self._resolve_and_apply(previous)
-            previous = None
-            if self._dead is not None:
-                self._undelivered = []
-                return outputs
         sched = self._schedule()
         if sched is None:  # it would preempt blocks the step in flight writes: apply that step first
             self._in_flight = None
@@ -446,6 +462,11 @@ class LLMEngine:
             return outputs + sched.outputs
         pending = None
         if sched.scheduled:
+            structured = self._structured if self._structured is not None and self._structured.active else None
+            if structured is not None and previous is not None:
+                # The bitmask of n+1 needs n's tokens in the matchers: the fill (after n+1's forward
+                # is launched) first waits for them and advances the matchers (`_accept_early`).
+                structured.before_fill = lambda: self._accept_early(previous)
             try:
                 pending = self.executor.execute_async(sched)
             except Exception as error:
@@ -456,6 +477,9 @@ class LLMEngine:
             except BaseException:
                 self.scheduler.cancel_step()  # the step in flight, if any, stays: the next call applies it
                 raise
+            finally:
+                if structured is not None:
+                    structured.before_fill = None
         elif sched.finished_ids or sched.preempted_ids:
             self.executor.execute(sched)  # lets the runner drop per-request state (generators)
         if pending is None and previous is None and self._structured is not None and self._structured.active:

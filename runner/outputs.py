@@ -16,6 +16,10 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[dict[int, "Logprob"] | None]] = field(default_factory=dict)
     """request id -> this step's prompt logprobs entries (prompt_logprobs=k), in prompt order: a
     prefill chunk's share, None first for the prompt's first token; the engine appends them."""
+    grammar_errors: dict[str, str] | None = None
+    """Structured output: {request id: error} of the tokens the grammar refused, once the engine
+    has advanced the matchers by this step's tokens (None before: each step's tokens go to the
+    matchers exactly once, early under async scheduling, see LLMEngine._accept_early)."""
 
 
 class PendingOutput:

@@ -14,4 +14,5 @@ def test_sampler_benchmark_smoke(tmp_path, capsys):
     assert {(r["scenario"], r["batch"]) for r in rows} == {(s, b) for s in ("greedy", "random", "penalties", "bitmask")
                                                            for b in (1, 3)}
     assert all(len(r["times_ms"]) == 2 and r["median_ms"] > 0 for r in rows)
+    assert all(len(r["host_times_ms"]) == 2 and 0 < r["host_median_ms"] <= r["median_ms"] for r in rows)
     assert "% of step" in capsys.readouterr().out

@@ -272,3 +272,65 @@ def test_rank_of_tied_top_token_is_one():
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0]])
     out = sampler(logits, meta([SamplingParams(temperature=0.0, logprobs=2)]))
     assert out.sampled_token_ids.item() == 1 and out.logprobs.sampled_ranks.item() == 1
+
+
+# ---------------------------------------------------------------- thresholds from the largest values
+
+def reference_tied_support(x: list[float], top_k: int, top_p: float, min_p: float) -> set[int]:
+    """Filters over scaled logits with ties, in float64: min-p, top-k keeping every token tied with
+    the k-th value, top-p keeping a token when the renormalized mass strictly above its value is
+    < top_p (so a group of equal values is kept or dropped whole)."""
+    m = max(x)
+    probs = [math.exp(v - m) for v in x]
+    keep = [i for i, p in enumerate(probs) if p >= min_p * max(probs)]
+    if top_k > 0 and len(keep) > top_k:
+        kth = sorted((x[i] for i in keep), reverse=True)[top_k - 1]
+        keep = [i for i in keep if x[i] >= kth]
+    if top_p >= 1.0:
+        return set(keep)
+    z = sum(probs[i] for i in keep)
+    return {i for i in keep if sum(probs[j] for j in keep if x[j] > x[i]) < top_p * z}
+
+
+@settings(max_examples=150, deadline=None)
+@given(values=st.lists(st.integers(0, 6), min_size=8, max_size=60), top_k=st.integers(0, 6),
+       top_p=st.sampled_from([0.3, 0.5, 0.77, 0.9, 1.0]), min_p=st.sampled_from([0.0, 0.05, 0.3]),
+       other_k=st.integers(0, 8))
+def test_tied_filters_from_the_largest_values(values, top_k, top_p, min_p, other_k):
+    """Few distinct values, so many ties, also past the candidates that topk returns (the largest
+    top_k of the batch, which a second row raises): the kept set equals the reference's, and the
+    same as with a full sort of the vocabulary."""
+    x = [v / 2 for v in values]
+    expected = reference_tied_support(x, top_k, top_p, min_p)
+    params = [SamplingParams(top_k=top_k, top_p=top_p, min_p=min_p), SamplingParams(top_k=other_k or 1)]
+    if top_k == 0 and top_p < 1.0:
+        params[1] = SamplingParams(top_k=other_k)
+    logits = torch.tensor(x).expand(2, -1).contiguous()
+    m = meta(params)
+    got = sampler.masked_logits(logits, m)[0]
+    assert set(torch.nonzero(torch.isfinite(got)).flatten().tolist()) == expected
+    m.candidates = 0   # the full-sort path
+    full = sampler.masked_logits(logits, m)[0]
+    assert torch.equal(torch.isfinite(full), torch.isfinite(got))
+
+
+def test_candidates_are_the_largest_top_k_unless_top_p_needs_the_vocabulary():
+    assert meta([SamplingParams(top_k=5), SamplingParams(top_k=50, top_p=0.9)]).candidates == 50
+    assert meta([SamplingParams(top_k=5), SamplingParams(top_p=0.9)]).candidates == 0
+    assert meta([SamplingParams(top_k=5), SamplingParams()]).candidates == 5
+
+
+def test_top_k_top_p_sampling_follows_the_renormalized_distribution():
+    """Over a large vocabulary (topk, not a sort): top-k 20 then top-p 0.8; the sampled
+    frequencies equal the reference's renormalized probabilities."""
+    gen = torch.Generator().manual_seed(3)
+    row = torch.randn(1000, generator=gen) * 2
+    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.8)
+    x = (row.double() / 0.7).tolist()
+    kept = sorted(reference_tied_support(x, 20, 0.8, 0.0))
+    probs = torch.softmax(torch.tensor([x[i] for i in kept], dtype=torch.float64), -1)
+    freq = frequencies(row, params)
+    expected = torch.zeros(1000, dtype=torch.float64)
+    expected[kept] = probs
+    assert set(torch.nonzero(freq).flatten().tolist()) <= set(kept)
+    assert (freq - expected).abs().max() < 0.015

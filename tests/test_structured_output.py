@@ -69,6 +69,38 @@ def test_bitmask_kernel_masks_only_the_indexed_rows():
     assert torch.equal(logits, expected)
 
 
+def test_structured_greedy_step_masks_then_takes_the_argmax():
+    """A greedy step with a constrained row skips the sampler's metadata but not the mask: the
+    tokens equal the sampler's (the full path) and the fast greedy path is never asked."""
+    from runner.sampling import Sampler, SamplingMetadata, SamplingStage
+    from runner.scheduler import ScheduledRequest
+    from runner.structured_output.bitmask import TokenBitmask, unpack_bitmask
+    gen = torch.Generator().manual_seed(1)
+    vocab, rows = 300, 6
+    logits = torch.randn(rows, vocab, generator=gen)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (rows, -(-vocab // 32)), generator=gen, dtype=torch.int64)
+    bitmask = bitmask.to(torch.int32)
+    constrained = torch.tensor([0, 2, 5], dtype=torch.int32)
+    params = SamplingParams(temperature=0.0)
+    reqs = [ScheduledRequest(f"r{i}", [0], 0, [], True, params, 0, -1, frozenset({2}), [5], None, False)
+            for i in range(rows)]
+
+    def never():
+        raise AssertionError("the fast greedy path ignores the mask")
+
+    stage = SamplingStage(vocab, torch.device("cpu"))
+    got = stage.launch(reqs, lambda: logits.clone(), never,
+                       token_bitmask=TokenBitmask(bitmask, constrained, vocab)).resolve().sampled
+    metadata = SamplingMetadata.from_params([params] * rows, {}, "cpu")
+    metadata.token_bitmask = TokenBitmask(bitmask, constrained, vocab)
+    expected = Sampler()(logits.clone(), metadata).sampled_token_ids.tolist()
+    assert [got[f"r{i}"] for i in range(rows)] == expected
+    allowed = unpack_bitmask(bitmask, vocab)
+    for row in constrained.tolist():
+        assert allowed[row, expected[row]]
+    assert expected[1] == int(logits[1].argmax())
+
+
 # ---- the embedded SmolLM2 -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llm():

@@ -11,7 +11,9 @@ The stage's tensors are built once; each timed step runs the whole stage: host-s
 the processors, the sampler, the copy of the tokens to the host. CUDA events time it on a GPU
 (perf_counter on a CPU); the median of `--iters` steps after `--warmup`. With `--step-ms` (a
 decode step's time, e.g. from `graphrunner bench decode`), each figure is also printed as a
-share of that step. Raw results: `<out>/sampler.json`.
+share of that step. `host ms` is the median time `launch` takes to enqueue a step (host work:
+the per-step plan, uploads, launches); on a GPU the device's share is the rest. Raw results:
+`<out>/sampler.json`.
 """
 
 from __future__ import annotations
@@ -48,8 +50,10 @@ def _bitmask_fill(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
 
 
 def time_stage(scenario: str, batch: int, vocab: int, device: torch.device, iters: int, warmup: int,
-               prompt_len: int = 512) -> list[float]:
-    """Milliseconds per step of the whole sampling stage, one entry per timed step."""
+               prompt_len: int = 512, host_times: list[float] | None = None) -> list[float]:
+    """Milliseconds per step of the whole sampling stage, one entry per timed step; `host_times`,
+    if given, gets the host's share of each: the time `launch` takes to enqueue the step (on a GPU
+    the device runs behind it; on a CPU it is the whole step but the wait)."""
     g = torch.Generator(device=device).manual_seed(0)
     logits = torch.randn(batch, vocab, device=device, generator=g).to(torch.bfloat16)
     prompt = torch.randint(0, vocab, (prompt_len,)).tolist()
@@ -70,16 +74,23 @@ def time_stage(scenario: str, batch: int, vocab: int, device: torch.device, iter
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            stage.launch(reqs, logits_fn, lambda: argmax_rows(logits)).resolve()
+            t0 = time.perf_counter()
+            pending = stage.launch(reqs, logits_fn, lambda: argmax_rows(logits))
+            host = (time.perf_counter() - t0) * 1e3
+            pending.resolve()
             end.record()
             end.synchronize()
             elapsed = start.elapsed_time(end)
         else:
             t0 = time.perf_counter()
-            stage.launch(reqs, logits_fn, lambda: argmax_rows(logits)).resolve()
+            pending = stage.launch(reqs, logits_fn, lambda: argmax_rows(logits))
+            host = (time.perf_counter() - t0) * 1e3
+            pending.resolve()
             elapsed = (time.perf_counter() - t0) * 1e3
         if step >= warmup:
             times.append(elapsed)
+            if host_times is not None:
+                host_times.append(host)
     return times
 
 
@@ -100,20 +111,24 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     print(f"sampling stage per step, vocab {args.vocab}, {device} "
           f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), median of {args.iters}")
-    header = f"{'scenario':>10} {'batch':>6} {'median ms':>10} {'p90 ms':>8}"
+    header = f"{'scenario':>10} {'batch':>6} {'median ms':>10} {'p90 ms':>8} {'host ms':>8}"
     print(header + (f" {'% of step':>10}" if args.step_ms else ""))
     with torch.inference_mode():
         for batch in args.batch:
             for scenario in args.scenarios:
-                times = time_stage(scenario, batch, args.vocab, device, args.iters, args.warmup)
+                host_times = []
+                times = time_stage(scenario, batch, args.vocab, device, args.iters, args.warmup,
+                                   host_times=host_times)
                 median = statistics.median(times)
                 p90 = sorted(times)[int(0.9 * (len(times) - 1))]
-                line = f"{scenario:>10} {batch:>6} {median:>10.3f} {p90:>8.3f}"
+                host = statistics.median(host_times)
+                line = f"{scenario:>10} {batch:>6} {median:>10.3f} {p90:>8.3f} {host:>8.3f}"
                 if args.step_ms:
                     line += f" {100 * median / args.step_ms:>9.1f}%"
                 print(line)
                 results.append({"scenario": scenario, "batch": batch, "vocab": args.vocab, "device": str(device),
-                                "median_ms": median, "p90_ms": p90, "times_ms": times, "step_ms": args.step_ms})
+                                "median_ms": median, "p90_ms": p90, "times_ms": times,
+                                "host_median_ms": host, "host_times_ms": host_times, "step_ms": args.step_ms})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sampler.json").write_text(json.dumps(results, indent=1))

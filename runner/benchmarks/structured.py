@@ -18,8 +18,8 @@ The engine is driven step by step (`LLMEngine.step`): the first steps (prefill) 
 decode throughput = decode tokens / decode seconds. The figure compared is the ratio of the two
 decode throughputs; the overhead includes everything structured output adds per step: filling
 the bitmask rows on the host (overlapping the forward), the copy, the masking kernel, the
-sampler path instead of the graph's greedy tokens, the matchers' accept, and under async
-scheduling the wait for each step's tokens before the next is scheduled.
+argmax of the masked logits instead of the graph's greedy tokens, and the matchers' accept
+(under async scheduling, of the step in flight's tokens, just before the next step's fill).
 
 The tokenizer defaults to the embedded SmolLM2's (a dummy checkpoint has none); with a larger
 model vocabulary the bitmask covers the model's vocabulary and ids past the tokenizer's are

@@ -12,6 +12,7 @@ the sampler.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,16 @@ from runner.sampling.state import SamplingStates, needs_token_state
 from runner.scheduler import ScheduledRequest
 
 _NEG_INF = float("-inf")
+
+
+@functools.cache
+def _penalty_kernel():
+    """runner/sampling/penalty_kernel.py (Triton), or None where Triton is not installed."""
+    try:
+        from runner.sampling import penalty_kernel
+    except ImportError:
+        return None
+    return penalty_kernel
 
 
 def needs_processors(req: ScheduledRequest) -> bool:
@@ -37,6 +48,8 @@ class _Penalties:
     repetition: torch.Tensor  # [P, 1] float32
     any_repetition: bool
     any_additive: bool
+    all_rows: bool = False
+    """Every row of the batch, in order: the logits are changed in place, no gather and scatter."""
 
 
 @dataclass
@@ -133,14 +146,16 @@ class LogitsProcessors:
         if pen_rows:
             out.penalties = _Penalties(ints(pen_rows), ints(pen_slots), floats(presence), floats(frequency),
                                        floats(repetition), any(r != 1.0 for r in repetition),
-                                       any(p or f for p, f in zip(presence, frequency)))
+                                       any(p or f for p, f in zip(presence, frequency)),
+                                       pen_rows == list(range(len(reqs))))
         if state_rows:
             out.state_rows = (ints(state_rows), ints(state_slots))
         return out
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """The processed logits (float32, a new tensor; `logits` is not modified)."""
-        x = logits.float().clone()
+    def apply(self, logits: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+        """The processed logits (float32): a new tensor, or with `inplace` (float32 `logits` the
+        caller owns) `logits` itself, changed (no copy of the batch's logits)."""
+        x = logits if inplace else logits.float().clone()
         if self.allowed is not None:
             rows, local, tokens = self.allowed
             keep = torch.zeros(rows.shape[0], x.shape[1], dtype=torch.bool, device=x.device)
@@ -163,16 +178,26 @@ class LogitsProcessors:
         return x
 
     def _apply_penalties(self, x: torch.Tensor, p: _Penalties) -> torch.Tensor:
+        kernel = _penalty_kernel() if x.is_cuda and x.stride(1) == 1 else None
+        if kernel is not None:  # one pass over the logits (runner/sampling/penalty_kernel.py)
+            kernel.apply_penalties(x, p.rows, p.slots, self.states.output_counts, self.states.prompt_mask,
+                                   p.repetition, p.frequency, p.presence)
+            return x
+        return self._apply_penalties_torch(x, p)
+
+    def _apply_penalties_torch(self, x: torch.Tensor, p: _Penalties) -> torch.Tensor:
+        """The penalties with torch ops (CPU; the reference of the GPU kernel)."""
         counts = self.states.output_counts[p.slots]
-        rows = x[p.rows]
+        rows = x if p.all_rows else x[p.rows]   # changed in place below
         if p.any_repetition:  # HF / vLLM: over prompt and output tokens
-            seen = self.states.prompt_mask[p.slots] | (counts > 0)
+            seen = self.states.prompt_mask[p.slots]
+            seen |= counts > 0
             scaled = torch.where(rows > 0, rows / p.repetition, rows * p.repetition)
-            rows = torch.where(seen, scaled, rows)
+            torch.where(seen, scaled, rows, out=rows)
         if p.any_additive:    # vLLM / OpenAI: over output tokens
-            counts = counts.float()
-            rows = rows - p.frequency * counts - p.presence * (counts > 0).float()
-        x[p.rows] = rows
+            rows.sub_(p.frequency * counts).sub_(p.presence * (counts > 0))
+        if not p.all_rows:
+            x[p.rows] = rows
         return x
 
     def record(self, sampled: torch.Tensor) -> None:

@@ -27,6 +27,16 @@ def _greedy_kernels():
     return greedy
 
 
+@functools.cache
+def _race_kernel():
+    """runner/sampling/race_kernel.py (Triton), or None where Triton is not installed."""
+    try:
+        from runner.sampling import race_kernel
+    except ImportError:
+        return None
+    return race_kernel
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """`logits.argmax(dim=-1)` of 2-D logits; on a GPU by runner/greedy.py's two short launches
     (torch's one-block reduction is slow for one row of a large vocabulary: see that module). On a
@@ -58,6 +68,9 @@ class SamplingMetadata:
     no_top_k: bool
     no_top_p: bool
     no_min_p: bool
+    candidates: int = 0
+    """How many of each row's largest values the top-k/top-p thresholds need (host): the largest
+    top_k, or 0 (the whole vocabulary, a full sort) when a row asks for top-p without top-k."""
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> generator
     max_num_logprobs: int | None = None  # None: no row asked for logprobs
     token_bitmask: object | None = None
@@ -85,6 +98,7 @@ class SamplingMetadata:
             no_top_k=all(k == 0 for k in top_k),
             no_top_p=all(p.top_p >= 1.0 for p in params),
             no_min_p=all(p.min_p <= 0.0 for p in params),
+            candidates=0 if any(k == 0 and p.top_p < 1.0 for k, p in zip(top_k, params)) else max(top_k),
             generators={i: g for i, g in generators.items() if not greedy[i]},
             max_num_logprobs=max(requested) if requested else None,
             processors=processors,
@@ -116,22 +130,33 @@ class Sampler:
     first; logprobs are those of the logits as the model produced them (vLLM's default).
     Greedy rows take the argmax. Random rows: logits / temperature, then min-p, top-k and
     top-p masks (vLLM's order; top-p is taken over the distribution already renormalized
-    by min-p and top-k), then softmax and an exponential race (see `_race`).
+    by min-p and top-k) as one per-row threshold on the logits, then an exponential race
+    (`_race` in torch on a CPU; on a GPU runner/sampling/race_kernel.py does filter, temperature
+    and race in one pass over the logits).
     Mixed batches compute both and pick per row with torch.where.
     """
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        raw = logits = logits.float()  # no-op for float32; only the structured-output mask writes into it
+        raw = logits.float()  # no-op for float32; only the structured-output mask writes into it
+        # A copy made here (bf16 logits) may be changed in place when the raw values are not needed.
+        owned = raw is not logits and metadata.max_num_logprobs is None
+        logits = raw
         if metadata.token_bitmask is not None:  # structured output: the constrained rows, on the device, first
             metadata.token_bitmask.apply(logits)
         if metadata.processors is not None:
-            logits = metadata.processors.apply(logits)
+            logits = metadata.processors.apply(logits, inplace=owned)
+            owned = True
         greedy_ids = None if metadata.all_random else argmax_rows(logits)
         if metadata.all_greedy:
             sampled = greedy_ids
         else:
-            probs = torch.softmax(self.masked_logits(logits, metadata), dim=-1)
-            sampled = self._race(probs, metadata.generators)
+            kernel = _race_kernel() if logits.is_cuda and logits.stride(1) == 1 else None
+            if kernel is not None:  # one pass over the logits (runner/sampling/race_kernel.py)
+                threshold = self.threshold(logits, metadata)
+                sampled = kernel.race(logits, self._temperature(metadata), threshold,
+                                      kernel.row_seeds(logits.shape[0], metadata.generators, logits.device))
+            else:
+                sampled = self._race(self.masked_logits(logits, metadata, inplace=owned), metadata.generators)
             if greedy_ids is not None:
                 sampled = torch.where(metadata.temperature < _SAMPLING_EPS, greedy_ids, sampled)
         logprobs = None
@@ -139,61 +164,105 @@ class Sampler:
             logprobs = self._logprobs(raw, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
-    def masked_logits(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Temperature-scaled logits with every filtered-out token set to -inf (a new tensor).
+    @staticmethod
+    def _temperature(metadata: SamplingMetadata) -> torch.Tensor:
+        """[N, 1]: the rows' temperatures, 1 for greedy rows (their draw is discarded anyway)."""
+        return metadata.temperature.masked_fill(metadata.temperature < _SAMPLING_EPS, 1.0).unsqueeze(1)
 
-        Greedy rows are scaled by 1 instead of 0; their result is discarded anyway.
-        """
-        temp = metadata.temperature
-        x = logits / temp.masked_fill(temp < _SAMPLING_EPS, 1.0).unsqueeze(1)
-        if not metadata.no_min_p:
-            # p_i < min_p * p_max  <=>  x_i < x_max + log(min_p): no softmax needed.
-            # min_p = 0 gives log 0 = -inf, which masks nothing.
-            threshold = x.amax(dim=-1, keepdim=True) + metadata.min_p.log().unsqueeze(1)
-            x = x.masked_fill(x < threshold, float("-inf"))
-        if not (metadata.no_top_k and metadata.no_top_p):
-            x = self._top_k_top_p(x, metadata)
+    def masked_logits(self, logits: torch.Tensor, metadata: SamplingMetadata, inplace: bool = False) -> torch.Tensor:
+        """Temperature-scaled logits with every filtered-out token set to -inf (a new tensor, or
+        `logits` itself when `inplace`): every filter is one per-row threshold (`threshold`)."""
+        temp = self._temperature(metadata)
+        threshold = self.threshold(logits, metadata)
+        drop = None if threshold is None else logits < threshold
+        x = logits.div_(temp) if inplace else logits / temp
+        if drop is not None:
+            x = x.masked_fill_(drop, float("-inf"))
         return x
 
-    @staticmethod
-    def _top_k_top_p(x: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """One ascending sort serves both filters, with per-row thresholds from tensors.
+    def threshold(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor | None:
+        """[N, 1]: the smallest logit min-p, top-k and top-p keep in each row (None: no filter).
 
-        top-k keeps tokens >= the k-th largest value (ties with it are all kept).
-        top-p keeps the smallest descending-probability prefix whose mass is >= top_p:
-        the token that brings the mass to top_p is included, and the most likely token
-        is always kept. In the ascending order that is "drop token i if the mass of
-        tokens up to and including i is <= 1 - top_p".
+        On the logits before temperature (dividing by a positive temperature keeps their order),
+        so no scaled copy of the batch is needed: min-p from the row's maximum, top-k and top-p
+        from the row's largest values only (`_top_k_top_p_threshold`: a top-k of the largest
+        top_k, no sort of the vocabulary unless a row asks for top-p without top-k).
+        """
+        threshold = None
+        if not metadata.no_min_p:
+            # p_i < min_p * p_max  <=>  x_i / T < x_max / T + log(min_p): no softmax needed.
+            # min_p = 0 gives log 0 = -inf, which masks nothing.
+            log_min_p = metadata.min_p.log().unsqueeze(1)
+            threshold = logits.amax(dim=-1, keepdim=True) + self._temperature(metadata) * log_min_p
+        if not (metadata.no_top_k and metadata.no_top_p):
+            top = self._top_k_top_p_threshold(logits, metadata, threshold)
+            threshold = top if threshold is None else torch.maximum(threshold, top)
+        return threshold
+
+    def _top_k_top_p_threshold(self, x: torch.Tensor, metadata: SamplingMetadata,
+                               min_p_threshold: torch.Tensor | None) -> torch.Tensor:
+        """[N, 1]: the smallest logit top-k and top-p keep in each row (-inf: keep all).
+
+        top-k keeps tokens >= the k-th largest value (ties with it are all kept); over the tokens
+        min-p keeps, when fewer than k are left it keeps them all. top-p then keeps the smallest
+        most-likely-first prefix whose mass, in the distribution (after temperature) renormalized
+        over what min-p and top-k keep, is >= top_p: a token is kept when the mass of the tokens
+        above it is < top_p (the most likely token always is); tokens tied with the last kept one
+        are kept too.
+
+        Only the `candidates` largest values of each row are needed (`torch.topk`, sorted): the
+        top-k threshold is the k-th of them, and everything top-p keeps is among them. The only
+        other tokens that count are those tied with a row's k-th value beyond the candidates:
+        their number (one compare over the row) adds their mass to the renormalization.
         """
         vocab = x.shape[-1]
-        sorted_x, order = x.sort(dim=-1)
-        if not metadata.no_top_k:
-            k = metadata.top_k.masked_fill(metadata.top_k <= 0, vocab).clamp(max=vocab)
-            kth_largest = sorted_x.gather(1, (vocab - k).unsqueeze(1))
-            sorted_x = sorted_x.masked_fill(sorted_x < kth_largest, float("-inf"))
-        if not metadata.no_top_p:
-            cum = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1)
-            drop = cum <= (1.0 - metadata.top_p).unsqueeze(1)
-            drop[:, -1] = False
-            sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        return sorted_x.scatter(1, order, sorted_x)
+        k_max = metadata.candidates if 0 < metadata.candidates < vocab else vocab
+        if k_max == vocab:
+            values = x.sort(dim=-1, descending=True).values
+        else:
+            values = x.topk(k_max, dim=-1).values  # sorted, largest first
+        if min_p_threshold is not None:
+            values = values.masked_fill(values < min_p_threshold, float("-inf"))
+        neg_inf = float("-inf")   # a Python scalar: no upload
+        top_k = metadata.top_k
+        if metadata.no_top_k:
+            k_threshold = values.new_full((x.shape[0], 1), neg_inf)
+        else:
+            index = (top_k.clamp(max=k_max) - 1).clamp(min=0).unsqueeze(1)
+            k_threshold = torch.where((top_k > 0).unsqueeze(1), values.gather(1, index), neg_inf)
+        if metadata.no_top_p:
+            return k_threshold
+        temp = self._temperature(metadata)
+        kept = (values >= k_threshold) & (values > float("-inf"))   # a prefix; min-p's -inf never
+        weights = torch.where(kept, torch.exp((values - values[:, :1]) / temp), 0.0)
+        total = weights.sum(dim=-1, keepdim=True)
+        if k_max < vocab:  # ties with the k-th value past the candidates (k_threshold finite there)
+            beyond = (x >= k_threshold).sum(dim=-1, keepdim=True) - kept.sum(dim=-1, keepdim=True)
+            finite = torch.isfinite(k_threshold)
+            total = total + torch.where(finite, beyond * torch.exp((k_threshold - values[:, :1]) / temp), 0.0)
+        above = weights.cumsum(dim=-1) - weights   # mass of the candidates before each
+        keep_p = kept & (above < metadata.top_p.unsqueeze(1) * total)
+        last = (keep_p.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
+        p_threshold = torch.where((metadata.top_p < 1.0).unsqueeze(1), values.gather(1, last), neg_inf)
+        return torch.maximum(k_threshold, p_threshold)
 
     @staticmethod
-    def _race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-        """Samples each row of probs via argmax(probs / q), q ~ Exp(1) i.i.d.
+    def _race(x: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+        """Samples each row of softmax(x) via argmax(softmax(x) / q) = argmax(x - log q),
+        q ~ Exp(1) i.i.d. (x: filtered, scaled logits, -inf where filtered out; changed in place).
 
-        P(argmax = i) = p_i / sum(p) (the exponential race), so no cumsum/multinomial is
-        needed and it stays one batched kernel. q for the whole batch comes from the
-        default generator; rows with a seeded request then redraw their q from their own
-        generator, so a seeded row depends only on its own logits and generator state.
+        P(argmax = i) = p_i / sum(p) (the exponential race), so no softmax, cumsum or
+        multinomial is needed and it stays a few batched kernels. q for the whole batch comes
+        from the default generator; rows with a seeded request then redraw their q from their
+        own generator, so a seeded row depends only on its own logits and generator state.
         """
-        q = torch.empty_like(probs).exponential_()
+        q = torch.empty_like(x).exponential_()
         for row, gen in generators.items():
             q[row].exponential_(generator=gen)
-        # Exp(1) may return exactly 0 on some backends; 0/0 = NaN would win the argmax and
-        # pick a filtered token. A tiny floor keeps filtered tokens (p = 0) at 0.
-        q.clamp_(min=torch.finfo(q.dtype).tiny)
-        return (probs / q).argmax(dim=-1)
+        # Exp(1) may return exactly 0 on some backends: log 0 = -inf would let a filtered token
+        # (x = -inf) win with NaN. A tiny floor keeps log q finite.
+        q.clamp_(min=torch.finfo(q.dtype).tiny).log_()
+        return x.sub_(q).argmax(dim=-1)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, sampled: torch.Tensor, k: int) -> LogprobsTensors:

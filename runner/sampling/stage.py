@@ -12,15 +12,28 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from runner.outputs import ModelRunnerOutput, PendingOutput
 from runner.sampling.logprobs import logprobs_entries
 from runner.sampling.processors import LogitsProcessors
-from runner.sampling.sampler import Sampler, SamplingMetadata
+from runner.sampling.sampler import Sampler, SamplingMetadata, argmax_rows
 from runner.sampling.state import SamplingStates
 from runner.scheduler import ScheduledRequest
+
+
+@dataclass
+class _Plan:
+    """What a step's sampling needs from its requests' settings (device tensors included), kept
+    for the next step with the same rows (`SamplingStage._plan`)."""
+    key: tuple
+    processors: LogitsProcessors | None
+    metadata: SamplingMetadata | None
+    """None: a plain greedy step (no processors, no logprobs)."""
+    request_ids: list[str]
+    num_logprobs: list[int | None] | None
 
 
 class SamplingStage:
@@ -28,6 +41,7 @@ class SamplingStage:
         self.vocab_size, self.device = vocab_size, device
         self.sampler = Sampler()
         self.states = SamplingStates(vocab_size, device)
+        self._last_plan: _Plan | None = None
 
     @property
     def generators(self) -> dict[str, torch.Generator]:
@@ -35,6 +49,9 @@ class SamplingStage:
 
     def release(self, request_ids) -> None:
         """Finished requests: their generators and token state go (preempted ones keep theirs)."""
+        request_ids = list(request_ids)
+        if request_ids:
+            self._last_plan = None   # an id may come back as a new request, with other settings
         self.states.release(request_ids)
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -53,36 +70,59 @@ class SamplingStage:
         (from `PromptLogprobs.launch`, enqueued before this) builds the step's prompt logprobs
         once its copies are on the host. `token_bitmask` (structured output, a TokenBitmask of the
         constrained rows, or None) is applied to the logits first; a step with one never takes
-        `fast_greedy` (the graph's argmax or the CPU screen would ignore the mask)."""
+        `fast_greedy` (the graph's argmax or the CPU screen would ignore the mask): a plain greedy
+        one masks `logits()` in place and takes their argmax, without the sampler's metadata."""
         if not reqs:
             if prompt_logprobs is None:
                 return PendingOutput.ready(ModelRunnerOutput({}))
             return self._pending(reqs, torch.empty(0, dtype=torch.int64, device=self.device), None,
                                  prompt_logprobs)
+        plan = self._plan(reqs)
+        processors, metadata, logprobs = plan.processors, plan.metadata, None
+        if metadata is None and token_bitmask is None:
+            sampled = fast_greedy()
+        elif metadata is None:  # structured greedy: the mask on the logits (in place), then their argmax
+            masked = logits()
+            token_bitmask.apply(masked)
+            sampled = argmax_rows(masked)
+        else:
+            metadata.token_bitmask = token_bitmask
+            result = self.sampler(logits(), metadata)
+            metadata.token_bitmask = None
+            sampled, logprobs = result.sampled_token_ids, result.logprobs
+            if processors is not None:
+                processors.record(sampled)
+        return self._pending(reqs, sampled, logprobs, prompt_logprobs, plan)
+
+    def _plan(self, reqs: list[ScheduledRequest]) -> _Plan:
+        """The step's processors and metadata: the last step's while its rows are the same requests
+        in the same order with the same rows inside min_tokens (what decode steps mostly are),
+        else built (a loop over the rows and a few small uploads)."""
+        key = (tuple(req.request_id for req in reqs),
+               tuple(row for row, req in enumerate(reqs) if req.output_token_count < req.sampling_params.min_tokens))
+        plan = self._last_plan
+        if plan is not None and plan.key == key:
+            return plan
         params = [req.sampling_params for req in reqs]
         processors = LogitsProcessors.build(reqs, self.states, self.vocab_size, self.to_device)
-        logprobs = None
-        if (processors is None and token_bitmask is None
-                and all(p.temperature == 0.0 and p.logprobs is None for p in params)):
-            sampled = fast_greedy()
-        else:
+        metadata = None
+        if processors is not None or not all(p.temperature == 0.0 and p.logprobs is None for p in params):
             generators = {row: self.states.generator(req) for row, req in enumerate(reqs)
                           if req.sampling_params.seed is not None}
             metadata = SamplingMetadata.from_params(params, generators, "cpu", processors)
-            metadata.token_bitmask = token_bitmask
             if self.device.type != "cpu":
                 metadata = dataclasses.replace(
                     metadata, temperature=self.to_device(metadata.temperature),
                     top_k=self.to_device(metadata.top_k), top_p=self.to_device(metadata.top_p),
                     min_p=self.to_device(metadata.min_p))
-            result = self.sampler(logits(), metadata)
-            sampled, logprobs = result.sampled_token_ids, result.logprobs
-            if processors is not None:
-                processors.record(sampled)
-        return self._pending(reqs, sampled, logprobs, prompt_logprobs)
+        request_ids = list(key[0])
+        num_logprobs = [p.logprobs for p in params]
+        self._last_plan = plan = _Plan(key, processors, metadata, request_ids,
+                                       num_logprobs if any(k is not None for k in num_logprobs) else None)
+        return plan
 
     def _pending(self, reqs: list[ScheduledRequest], sampled: torch.Tensor, logprobs,
-                 prompt_logprobs: Callable[[], dict] | None = None) -> PendingOutput:
+                 prompt_logprobs: Callable[[], dict] | None = None, plan: _Plan | None = None) -> PendingOutput:
         # Non-blocking to the host: pinned destinations (`_to_copy` pins them for a CUDA source).
         host = sampled.to("cpu", non_blocking=True)
         host_logprobs = None
@@ -94,8 +134,11 @@ class SamplingStage:
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        request_ids = [req.request_id for req in reqs]
-        num_logprobs = [req.sampling_params.logprobs for req in reqs]
+        if plan is not None:
+            request_ids, num_logprobs = plan.request_ids, plan.num_logprobs
+        else:
+            request_ids = [req.request_id for req in reqs]
+            num_logprobs = [req.sampling_params.logprobs for req in reqs]
 
         def finish() -> ModelRunnerOutput:
             token_ids = host.tolist()

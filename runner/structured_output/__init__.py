@@ -7,8 +7,9 @@ compiles between requests with the same constraint. `manager.py` keeps one Gramm
 request: it fills the rows of the step's token bitmask (the runner calls it after launching the
 forward, so the host fills them while the device runs the step) and advances each matcher by
 the sampled token. `bitmask.py` applies the bitmask to the logits on the device, for those rows
-only. How the engine drives it (and why async scheduling waits for a structured request's
-previous token): docs/STRUCTURED_OUTPUT.md.
+only. How the engine drives it (and how, under async scheduling, the fill of step n+1 first
+advances the matchers by the tokens of step n, still in flight when n+1 was launched):
+docs/STRUCTURED_OUTPUT.md.
 """
 
 from runner.structured_output.bitmask import TokenBitmask

@@ -13,10 +13,14 @@ The engine owns one StructuredOutputManager (it holds the tokenizer). For each s
 The matcher's stop tokens are the request's (the model's EOS unless ignore_eos, and
 stop_token_ids), so EOS is allowed exactly where the grammar may end.
 
+Async scheduling (docs/STRUCTURED_OUTPUT.md): step n+1 is scheduled and its forward launched with
+step n in flight; the fill of n+1's rows first calls `before_fill`, with which the engine waits
+for step n's tokens and advances the matchers by them, so the fill overlaps n+1's forward and the
+masks equal those of synchronous scheduling.
+
 The pinned buffer is reused every step: safe because a step's bitmask copy is enqueued before
-its sampling, and the next fill happens only after the engine has that step's tokens (the
-engine waits for them before scheduling a step with a structured request, also under async
-scheduling: docs/STRUCTURED_OUTPUT.md).
+its sampling, and the next fill happens only after the engine has that step's tokens (under
+async scheduling through `before_fill`, which waits for the step in flight).
 """
 
 from __future__ import annotations
@@ -63,6 +67,10 @@ class StructuredOutputManager:
         self._batch = None
         self.compile_wait_seconds = 0.0
         """Time the engine spent waiting for compiles with nothing else to run (`wait_for_compiles`)."""
+        self.before_fill = None
+        """Async scheduling: called before a step's rows are filled, once some row is constrained. The
+        engine sets it while it launches step n+1 with step n in flight: it waits for step n's tokens
+        (not for n+1's forward, enqueued after them) and advances the matchers by them."""
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, params: StructuredOutputsParams) -> GrammarState:
@@ -123,19 +131,28 @@ class StructuredOutputManager:
         states = self.states
         if not states:
             return None
-        matchers, indices = [], []
-        for row, i in enumerate(rows):
-            state = states.get(reqs[i].request_id)
-            if state is not None:
-                matchers.append(self._matcher(state))
-                indices.append(row)
-        if not indices:
+        constrained = [(row, state) for row, i in enumerate(rows)
+                       if (state := states.get(reqs[i].request_id)) is not None]
+        if not constrained:
             return None
+        if self.before_fill is not None:  # async scheduling: the matchers take the step in flight's tokens
+            self.before_fill()
         host = self._host()
+        matchers, indices = [], []
+        for row, state in constrained:
+            matcher = self._matcher(state)
+            if matcher.is_terminated():
+                # Ended by the token in flight (async scheduling): the row's token is discarded when
+                # that step is applied; any mask will do, and a terminated matcher fills none.
+                host[row].fill_(-1)
+            else:
+                matchers.append(matcher)
+                indices.append(row)
         if len(matchers) == 1:
             matchers[0].fill_next_token_bitmask(host, indices[0])
-        else:  # xgrammar fills the rows on its own threads, outside the GIL
+        elif matchers:  # xgrammar fills the rows on its own threads, outside the GIL
             self._batch_matcher().batch_fill_next_token_bitmask(matchers, host, indices)
+        indices = [row for row, _ in constrained]
         bitmask = host[:len(rows)]
         index_tensor = torch.tensor(indices, dtype=torch.int32)
         if self.device.type != "cpu":

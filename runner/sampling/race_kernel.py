@@ -1,0 +1,75 @@
+"""The random draw of a GPU step in one pass over the logits (Triton): filter, temperature and
+the exponential race together.
+
+Why: in torch the draw is a chain of full-batch kernels after the thresholds are known (scale
+by the temperature, mask below the threshold, draw Exp(1), clamp, log, subtract, argmax), each
+reading or writing [rows, vocab] floats: at batch 256 over Llama's 128256 tokens ~130 MB each.
+Here one program per row reads the row's logits once and keeps the argmax of
+x / T - log(q) over the tokens x >= threshold, q ~ Exp(1) from Philox (`tl.rand`) keyed by the
+row's seed and the token's index: the exponential race of runner/sampling/sampler.py `_race`
+(P(token i) = softmax(x / T)_i over the kept tokens), with q drawn here instead of by torch.
+
+Seeds: one int per row per step, from the default CUDA generator, and for a row with a seeded
+request from that request's own generator (`row_seeds`): a seeded request's tokens depend only
+on its own generator and logits, as on the torch path (which draws different q, so the same
+seed gives other tokens on a GPU than on a CPU). tests/test_race_kernel.py checks the sampled
+frequencies against the softmax in Triton's interpreter and on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 1024
+SEED_BOUND = 2 ** 31 - 1
+
+
+@triton.jit
+def _race_kernel(x_ptr, stride_x, temp_ptr, threshold_ptr, seed_ptr, out_ptr, V, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    base = x_ptr + row.to(tl.int64) * stride_x
+    temp = tl.load(temp_ptr + row)
+    threshold = tl.load(threshold_ptr + row)
+    seed = tl.load(seed_ptr + row)
+    best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    best_idx = tl.full([BLOCK], 2147483647, dtype=tl.int32)
+    for off in range(0, V, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        ok = idx < V
+        x = tl.load(base + idx, mask=ok, other=float("-inf")).to(tl.float32)
+        u = tl.rand(seed, idx)                       # [0, 1): q = -log(u) ~ Exp(1); u = 0 never wins
+        score = x / temp - tl.log(-tl.log(u))
+        score = tl.where(ok & (x >= threshold), score, float("-inf"))
+        take = score > best
+        best = tl.where(take, score, best)
+        best_idx = tl.where(take, idx, best_idx)
+    top = tl.max(best, axis=0)
+    first = tl.min(tl.where(best == top, best_idx, 2147483647), axis=0)
+    tl.store(out_ptr + row, tl.where(first == 2147483647, 0, first).to(tl.int64))
+
+
+def row_seeds(rows: int, generators: dict[int, torch.Generator], device: torch.device) -> torch.Tensor:
+    """int64 [rows] on `device`: a seed per row from the default generator, seeded rows' from their
+    own (each advances once per step; no host sync)."""
+    seeds = torch.randint(0, SEED_BOUND, (rows,), device=device)
+    for row, gen in generators.items():
+        seeds[row] = torch.randint(0, SEED_BOUND, (1,), device=device, generator=gen)[0]
+    return seeds
+
+
+def race(logits: torch.Tensor, temperature: torch.Tensor, threshold: torch.Tensor | None,
+         seeds: torch.Tensor) -> torch.Tensor:
+    """int64 [N]: per row, a token drawn from softmax(logits / temperature) restricted to
+    logits >= threshold (None: no filter). logits [N, V] (any float dtype, contiguous rows),
+    temperature float32 [N] or [N, 1] (> 0), threshold float32 [N, 1] or None, seeds int64 [N]."""
+    rows, vocab = logits.shape
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return out
+    if threshold is None:
+        threshold = torch.full((rows,), float("-inf"), dtype=torch.float32, device=logits.device)
+    _race_kernel[(rows,)](logits, logits.stride(0), temperature.reshape(-1).float(), threshold.reshape(-1).float(),
+                          seeds, out, vocab, BLOCK=BLOCK, num_warps=8)
+    return out
