@@ -55,6 +55,7 @@ from launch.fast_launch import FastLaunch, num_sms
 from launch.pdl import use_pdl, wait_for_producers
 
 LOG2E = 1.4426950408889634
+MERGE_3D = tl.constexpr(False)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_reqs", "num_splits", "window"])
@@ -181,7 +182,7 @@ def attention_kernel(
         if arrived == active - 1:
             tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
             _merge_partials(part_max_ptr, part_sum_ptr, part_acc_ptr, row_parts, active, row_ok, dims, dst,
-                            out_mask, BLOCK_M, D_PAD, MAX_SPLITS)
+                            out_mask, BLOCK_M, D_PAD, MAX_SPLITS, MERGE_3D)
 
 
 @triton.jit
@@ -232,7 +233,8 @@ def _attend_tiles(q, m_i, l_i, acc, next_block, tile_lo, tile_hi, cache_ptr, tab
 
 @triton.jit
 def _merge_partials(part_max_ptr, part_sum_ptr, part_acc_ptr, row_parts, active, row_ok, dims, dst, out_mask,
-                    BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr):
+                    BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr,
+                    MERGE_3D: tl.constexpr = False):
     """out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M) over the `active` splits of each row.
     The maxima and sums of all splits are one [MAX_SPLITS, BLOCK_M] load; the accumulators come
     four splits per [4, BLOCK_M, D_PAD] load, unrolled (masked past `active`), so
@@ -246,14 +248,22 @@ def _merge_partials(part_max_ptr, part_sum_ptr, part_acc_ptr, row_parts, active,
     m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)        # no split saw a key: weights 0
     l_all = tl.sum(l_s * tl.math.exp2(m_s - m_ref[None, :]), axis=0)
     o_all = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    chunk = tl.arange(0, 4)
-    for first in tl.static_range(0, MAX_SPLITS, 4):
-        ok_c = ((first + chunk)[:, None] < active) & row_ok[None, :]        # [4, BLOCK_M]
-        parts_c = row_parts[None, :] + (first + chunk)[:, None]
-        m_c = tl.load(part_max_ptr + parts_c, mask=ok_c, other=float("-inf"), cache_modifier=".cg")
-        a_c = tl.load(part_acc_ptr + (parts_c * D_PAD)[:, :, None] + dims[None, None, :], mask=ok_c[:, :, None],
-                      other=0.0, cache_modifier=".cg")
-        o_all += tl.sum(a_c * tl.math.exp2(m_c - m_ref[None, :])[:, :, None], axis=0)
+    if MERGE_3D:
+        chunk = tl.arange(0, 4)
+        for first in tl.static_range(0, MAX_SPLITS, 4):
+            ok_c = ((first + chunk)[:, None] < active) & row_ok[None, :]        # [4, BLOCK_M]
+            parts_c = row_parts[None, :] + (first + chunk)[:, None]
+            m_c = tl.load(part_max_ptr + parts_c, mask=ok_c, other=float("-inf"), cache_modifier=".cg")
+            a_c = tl.load(part_acc_ptr + (parts_c * D_PAD)[:, :, None] + dims[None, None, :], mask=ok_c[:, :, None],
+                          other=0.0, cache_modifier=".cg")
+            o_all += tl.sum(a_c * tl.math.exp2(m_c - m_ref[None, :])[:, :, None], axis=0)
+    else:
+        for split_i in tl.static_range(MAX_SPLITS):
+            ok_s = row_ok & (tl.full([BLOCK_M], split_i, tl.int32) < active)
+            m_s1 = tl.load(part_max_ptr + row_parts + split_i, mask=ok_s, other=float("-inf"), cache_modifier=".cg")
+            a_s = tl.load(part_acc_ptr + (row_parts + split_i)[:, None] * D_PAD + dims[None, :], mask=ok_s[:, None],
+                          other=0.0, cache_modifier=".cg")
+            o_all += a_s * tl.math.exp2(m_s1 - m_ref)[:, None]
     _store_normalised(dst, o_all, l_all, out_mask)
 
 
