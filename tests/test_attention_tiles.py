@@ -116,7 +116,7 @@ def test_split_counts_fill_an_h100_for_decode_and_spare_long_prefills(monkeypatc
     cuda = torch.device("cuda")
     assert [ua.default_num_splits(b, b, 8, cuda) for b in (1, 2, 8, 32)] == [64, 32, 8, 2]
     assert ua.default_num_splits(1, 1, 8, cuda, max_seq_len=32768) == 64
-    assert ua.default_num_splits(1, 1, 8, cuda, max_seq_len=1024) == 4   # eager: 4 KV tiles a split at least
+    assert ua.default_num_splits(1, 1, 8, cuda, max_seq_len=1024) == 2   # eager: 4 KV tiles (of 128) a split at least
     prefill_blocks = -(-8192 // ua.tile_sizes(32, 8, True, cuda)[1]) + 1
     assert ua.default_num_splits(8192, prefill_blocks, 8, cuda, max_seq_len=32768) == 1
 

@@ -174,6 +174,7 @@ def test_in_kernel_split_merge_matches_the_merge_kernel_and_resets_its_tickets(n
     from attention.kernels import unified_attention as ua
     b = make_batch([1, 4, 1], [70, 33, 5], num_q_heads=6, num_kv_heads=2, head_dim=16, block_size=16,
                    pad_tokens=2, pad_reqs=1, seed=8)
+    kernel_switches(fused_merge=True)
     fused = run_attention(b, num_splits=num_splits)
     assert all(int(t.abs().sum()) == 0 for t in ua._tickets.values())
     kernel_switches(fused_merge=False)
@@ -401,7 +402,7 @@ def test_split_count_from_padded_shapes_and_fitted_to_the_context_when_eager(mon
     assert ua.default_num_splits(1, 1, 8, cuda, max_seq_len=140) == 1
     assert ua.default_num_splits(1, 1, 8, cuda, max_seq_len=4 * per_split) == 4
     assert ua.default_num_splits(1, 1, 8, cuda, max_seq_len=5 * per_split) == 4  # a power of two
-    assert ua.default_num_splits(1, 1, 8, cuda, max_seq_len=4096) == 16
+    assert ua.default_num_splits(1, 1, 8, cuda, max_seq_len=4096) == 4096 // block_n // ua.EAGER_TILES_PER_SPLIT
     assert ua.default_num_splits(1, 1, 8, torch.device("cpu"), max_seq_len=4096) == 1
 
 

@@ -16,11 +16,11 @@ Layout of the work (the vLLM design):
   those rows are finite (0) rather than stale.
 - Split-KV (flash decoding): with num_splits > 1 each program takes a contiguous share of the
   KV tiles its q block needs, at least MIN_SPLIT_TILES of them (a short context may keep fewer
-  "active" splits). One active split writes `out` itself. Otherwise each active split writes
-  (max, sum, unnormalised acc) to scratch, and the last of them to finish, counted by an atomic
-  ticket, merges them in the same launch (FUSED_MERGE, KernelConfig.fused_merge; the separate merge kernel
-  otherwise). This
-  buys parallelism for small batches with long contexts without a second launch per layer. The
+  "active" splits). Each split writes (max, sum, unnormalised acc) to scratch and
+  `merge_splits_kernel` combines them (the default: in a graph it is the faster); with
+  KernelConfig.fused_merge one active split writes `out` itself, and otherwise the last split to
+  finish, counted by an atomic ticket, merges them in the same launch (FUSED_MERGE). This buys
+  parallelism for small batches with long contexts. The
   split count is fixed per launch (a FULL graph: per captured size, from padded shapes alone, up
   to MAX_SPLITS); the kernel computes on the device how many of those splits the context fills,
   and the partials go to one persistent scratch buffer (`split_scratch`), so a replay finds them
@@ -55,7 +55,6 @@ from launch.fast_launch import FastLaunch, num_sms
 from launch.pdl import use_pdl, wait_for_producers
 
 LOG2E = 1.4426950408889634
-MERGE_3D = tl.constexpr(False)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_reqs", "num_splits", "window"])
@@ -182,7 +181,7 @@ def attention_kernel(
         if arrived == active - 1:
             tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
             _merge_partials(part_max_ptr, part_sum_ptr, part_acc_ptr, row_parts, active, row_ok, dims, dst,
-                            out_mask, BLOCK_M, D_PAD, MAX_SPLITS, MERGE_3D)
+                            out_mask, BLOCK_M, D_PAD, MAX_SPLITS)
 
 
 @triton.jit
@@ -233,12 +232,11 @@ def _attend_tiles(q, m_i, l_i, acc, next_block, tile_lo, tile_hi, cache_ptr, tab
 
 @triton.jit
 def _merge_partials(part_max_ptr, part_sum_ptr, part_acc_ptr, row_parts, active, row_ok, dims, dst, out_mask,
-                    BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr,
-                    MERGE_3D: tl.constexpr = False):
+                    BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr):
     """out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M) over the `active` splits of each row.
-    The maxima and sums of all splits are one [MAX_SPLITS, BLOCK_M] load; the accumulators come
-    four splits per [4, BLOCK_M, D_PAD] load, unrolled (masked past `active`), so
-    their loads are independent and issue together."""
+    The maxima and sums of all splits are one [MAX_SPLITS, BLOCK_M] load, so the global max is
+    known first and each split's accumulator then adds in independently (unrolled, masked past
+    `active`)."""
     splits = tl.arange(0, MAX_SPLITS)
     ok = (splits[:, None] < active) & row_ok[None, :]
     parts = row_parts[None, :] + splits[:, None]
@@ -248,22 +246,12 @@ def _merge_partials(part_max_ptr, part_sum_ptr, part_acc_ptr, row_parts, active,
     m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)        # no split saw a key: weights 0
     l_all = tl.sum(l_s * tl.math.exp2(m_s - m_ref[None, :]), axis=0)
     o_all = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    if MERGE_3D:
-        chunk = tl.arange(0, 4)
-        for first in tl.static_range(0, MAX_SPLITS, 4):
-            ok_c = ((first + chunk)[:, None] < active) & row_ok[None, :]        # [4, BLOCK_M]
-            parts_c = row_parts[None, :] + (first + chunk)[:, None]
-            m_c = tl.load(part_max_ptr + parts_c, mask=ok_c, other=float("-inf"), cache_modifier=".cg")
-            a_c = tl.load(part_acc_ptr + (parts_c * D_PAD)[:, :, None] + dims[None, None, :], mask=ok_c[:, :, None],
-                          other=0.0, cache_modifier=".cg")
-            o_all += tl.sum(a_c * tl.math.exp2(m_c - m_ref[None, :])[:, :, None], axis=0)
-    else:
-        for split_i in tl.static_range(MAX_SPLITS):
-            ok_s = row_ok & (tl.full([BLOCK_M], split_i, tl.int32) < active)
-            m_s1 = tl.load(part_max_ptr + row_parts + split_i, mask=ok_s, other=float("-inf"), cache_modifier=".cg")
-            a_s = tl.load(part_acc_ptr + (row_parts + split_i)[:, None] * D_PAD + dims[None, :], mask=ok_s[:, None],
-                          other=0.0, cache_modifier=".cg")
-            o_all += a_s * tl.math.exp2(m_s1 - m_ref)[:, None]
+    for split_i in tl.static_range(MAX_SPLITS):
+        ok_s = row_ok & (tl.full([BLOCK_M], split_i, tl.int32) < active)
+        m_s1 = tl.load(part_max_ptr + row_parts + split_i, mask=ok_s, other=float("-inf"), cache_modifier=".cg")
+        a_s = tl.load(part_acc_ptr + (row_parts + split_i)[:, None] * D_PAD + dims[None, :], mask=ok_s[:, None],
+                      other=0.0, cache_modifier=".cg")
+        o_all += a_s * tl.math.exp2(m_s1 - m_ref)[:, None]
     _store_normalised(dst, o_all, l_all, out_mask)
 
 
@@ -456,7 +444,7 @@ def launch_config(device: torch.device, prefill: bool = False) -> dict:
         return dict(BLOCK_N=32, num_warps=4, num_stages=1, **(dict(BLOCK_M=32) if prefill else {}))
     if prefill:
         return dict(PREFILL_CONFIG)
-    return dict(BLOCK_N=64, num_warps=4, num_stages=2)
+    return dict(BLOCK_N=128, num_warps=4, num_stages=2)
 
 
 PREFILL_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
@@ -551,8 +539,8 @@ def _plan(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, query_
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
     d_pad = constexprs["D_PAD"]
     grid = (q_blocks, num_kv_heads, num_splits)
-    # The in-kernel merge holds a [4, BLOCK_M, D] chunk of partials: the prefill tiles' 128 rows
-    # would not fit in registers, so their (rare) splits take the merge kernel.
+    # The in-kernel merge holds a [BLOCK_M, D] accumulator per split: for the prefill tiles' 128
+    # rows that is too many registers, so their (rare) splits always take the merge kernel.
     tickets = None if prefill_tiles else _merge_tickets(device, grid[0] * num_kv_heads)
     fused_merge = num_splits > 1 and tickets is not None
     if num_splits > 1:
