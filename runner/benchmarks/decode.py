@@ -267,8 +267,10 @@ def random_prompts(batch_size: int, prompt_len: int, vocab: int, seed: int) -> l
 
 
 def prefill_step_bound(batch_size: int, prompt_len: int, max_num_batched_tokens: int) -> int:
-    """Steps at most until every request has its first token (each yields <= 1 token per request)."""
-    return -(-batch_size * prompt_len // max_num_batched_tokens) + 2
+    """Steps at most until every request has its first token (each yields <= 1 token per request;
+    beside running requests a prompt's chunk is capped, SchedulerConfig.long_prefill_token_threshold,
+    so several prompts share a step's budget and the last steps may not fill it)."""
+    return 2 * -(-batch_size * prompt_len // max_num_batched_tokens) + 2 * batch_size + 2
 
 
 def max_tokens_for(batch_size: int, args, prompt_len: int | None = None) -> int:
