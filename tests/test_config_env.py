@@ -61,7 +61,7 @@ EVERY_SWITCH = {
     "GRAPHRUNNER_CPU_SCREENED_ARGMAX": ("false", False),
     "GRAPHRUNNER_DEBUG_CUDAGRAPH": ("1", True),
     "GRAPHRUNNER_FAST_LAUNCH": ("0", False),
-    "GRAPHRUNNER_FUSED_MERGE": ("1", True),
+    "GRAPHRUNNER_FUSED_MERGE": ("0", False),
     "GRAPHRUNNER_FUSED_OPS": ("off", False),
     "GRAPHRUNNER_HOME": ("/tmp/gr-home", "/tmp/gr-home"),
     "GRAPHRUNNER_MIN_SPLIT_TILES": ("4", 4),

@@ -16,11 +16,12 @@ Layout of the work (the vLLM design):
   those rows are finite (0) rather than stale.
 - Split-KV (flash decoding): with num_splits > 1 each program takes a contiguous share of the
   KV tiles its q block needs, at least MIN_SPLIT_TILES of them (a short context may keep fewer
-  "active" splits). Each split writes (max, sum, unnormalised acc) to scratch and
-  `merge_splits_kernel` combines them (the default: in a graph it is the faster); with
-  KernelConfig.fused_merge one active split writes `out` itself, and otherwise the last split to
-  finish, counted by an atomic ticket, merges them in the same launch (FUSED_MERGE). This buys
-  parallelism for small batches with long contexts. The
+  "active" splits). Inside a CUDA graph (KernelConfig.fused_merge auto or off) each split writes
+  (max, sum, unnormalised acc) to scratch and `merge_splits_kernel` combines them: there it is the
+  faster. In an eager launch (auto or on; a second launch would cost host time) one active split
+  writes `out` itself, and otherwise the last split to finish, counted by an atomic ticket, merges
+  them in the same launch (FUSED_MERGE). This buys parallelism for small batches with long
+  contexts. The
   split count is fixed per launch (a FULL graph: per captured size, from padded shapes alone, up
   to MAX_SPLITS); the kernel computes on the device how many of those splits the context fills,
   and the partials go to one persistent scratch buffer (`split_scratch`), so a replay finds them
@@ -347,15 +348,21 @@ _tickets: dict[torch.device, torch.Tensor] = {}
 
 def _merge_tickets(device: torch.device, needed: int) -> torch.Tensor | None:
     """The device's ticket counters (zero between launches: the last arrival resets its own), or
-    None for the separate merge kernel: KernelConfig.fused_merge off, too many programs, or no buffer yet while
-    a CUDA graph is being captured (one made there would live in the graph's pool). Made at the
-    first call outside a capture; the engine's warm-up runs eagerly before any capture."""
+    None for the separate merge kernel: KernelConfig.fused_merge off (or auto inside a CUDA graph
+    capture), too many programs, or no buffer yet while a graph is being captured (one made there
+    would live in the graph's pool). Made at the first call outside a capture; the engine's warm-up
+    runs eagerly before any capture."""
+    fused = active_kernel_config().fused_merge
+    if fused is None:   # auto: the merge kernel inside a graph, the in-kernel merge in an eager launch
+        fused = not _capturing(device)
+    if not fused or needed > MERGE_TICKETS:
+        return None
     tickets = _tickets.get(device)
     if tickets is None:
         if _capturing(device):
             return None
         tickets = _tickets[device] = torch.zeros(MERGE_TICKETS, dtype=torch.int32, device=device)
-    return tickets if needed <= MERGE_TICKETS and active_kernel_config().fused_merge else None
+    return tickets
 
 
 def _capturing(device: torch.device) -> bool:
