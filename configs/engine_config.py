@@ -89,12 +89,24 @@ class SchedulerConfig(_Config):
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int = Field(8192, ge=1)
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int | None = Field(None, ge=1)
+    """While other requests run, a prompt's chunk takes at most this many tokens of a step, and
+    leaves one token of the budget to each running request scheduled after it, so a long prompt
+    neither starves the decodes nor stretches their step (a 2048-token chunk of a 1B model at 32k
+    context is a ~30 ms step, a full 8192-token one four times that). Alone, a prompt takes the
+    whole budget. None: a quarter of max_num_batched_tokens (2048 by default), at least 512."""
     async_scheduling: bool | None = None
     """Launch step n+1 before waiting for step n's sampled tokens, so the engine's host work
     (scheduling, input preparation, the scheduler update, detokenization) overlaps the GPU.
     None (auto): on for a CUDA device with the single-process executor, off on a CPU and under
     pipeline or tensor parallelism. True forces it on any device (CPU tests use it); it cannot be
     combined with pipeline_parallel_size or tensor_parallel_size > 1."""
+
+    @property
+    def long_prefill_tokens(self) -> int:
+        """`long_prefill_token_threshold`, or its default for this budget."""
+        budget = self.max_num_batched_tokens
+        return self.long_prefill_token_threshold or min(budget, max(budget // 4, 512))
 
 
 class CompilationConfig(_Config):

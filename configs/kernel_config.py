@@ -47,9 +47,14 @@ class KernelConfig(BaseModel):
                                "[GRAPHRUNNER_FAST_LAUNCH]")
     pdl: bool = _field("GRAPHRUNNER_PDL", "pdl", True,
                        "CUDA (sm_90+): programmatic dependent launch of the decode kernels [GRAPHRUNNER_PDL]")
-    fused_merge: bool = _field("GRAPHRUNNER_FUSED_MERGE", "fused_merge", True,
-                               "CUDA: split-KV attention merges its splits in the same launch; off: a separate "
-                               "merge kernel [GRAPHRUNNER_FUSED_MERGE]")
+    fused_merge: bool | None = _field("GRAPHRUNNER_FUSED_MERGE", "fused_merge", None,
+                                      "CUDA: split-KV attention merges its splits in the same launch (the last "
+                                      "split to finish); off: a separate merge kernel; None (auto): the merge "
+                                      "kernel inside CUDA graphs, where it is the faster (`graphrunner bench "
+                                      "attention --heads 32 8 64 --context-len 1024 32768` with "
+                                      "GRAPHRUNNER_FUSED_MERGE=0/1 on an H100: bs1 32k 64 splits 43 / 57 us, 1k "
+                                      "16 splits 12 / 21 us), the in-kernel merge in eager launches, where a "
+                                      "second launch costs host time [GRAPHRUNNER_FUSED_MERGE]", bool)
     min_split_tiles: int = _field("GRAPHRUNNER_MIN_SPLIT_TILES", "min_split_tiles", 1,
                                   "CUDA: the fewest KV tiles one split-KV attention program takes "
                                   "[GRAPHRUNNER_MIN_SPLIT_TILES]", ge=1)

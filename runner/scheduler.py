@@ -7,7 +7,9 @@ invariants between them could no longer be read in one place.
 
 Every step has a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`).
 Running requests go first in arrival order (a decode adds one token; a chunked prefill adds
-as much of the rest as the budget allows), then waiting requests in FCFS order. When the KV
+as much of the rest as the budget allows: beside other requests at most
+`long_prefill_token_threshold`, leaving one token to each running request after it, so a long
+prompt never starves the decodes), then waiting requests in FCFS order. When the KV
 cache is full, the latest-arrived running request is preempted by recompute: its blocks are
 freed and it goes back to the front of the queue to recompute prompt + outputs later.
 
@@ -184,6 +186,7 @@ class Scheduler:
                                + (" (async scheduling allows one step in flight)" if self.async_scheduling else ""))
         in_flight = bool(steps)
         budget = self.config.max_num_batched_tokens
+        long_prefill = self.config.long_prefill_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         step = _Step([], set())
@@ -208,6 +211,11 @@ class Scheduler:
                 num_new = num_tokens - request.num_computed_tokens
             if num_new > budget:
                 num_new = budget
+            if num_new > 1 and len(running) > 1:   # a prompt's chunk beside other requests
+                num_new = min(num_new, long_prefill, budget - (len(running) - index - 1))
+                if num_new < 1:   # the budget left is the later requests' one token each
+                    index += 1
+                    continue
             while not kv.allocate_slots(request, num_inflight + num_new):  # in flight: not yet computed, must fit
                 if in_flight:  # preempting would free blocks the step in flight writes: drain first
                     self._undo(step)
@@ -247,6 +255,8 @@ class Scheduler:
             hit_ids, num_cached = self.kv.get_computed_blocks(request)
             num_tokens = request.num_tokens
             num_new = num_tokens - num_cached
+            if self.running and num_new > long_prefill and self.config.enable_chunked_prefill:
+                num_new = long_prefill
             if num_new > budget:
                 # Chunking disabled: wait for a budget the whole prompt fits, except a preempted
                 # request grown past the budget, which recomputes in chunks or it would never run.

@@ -100,6 +100,24 @@ def test_decode_bench_cpu_async_smoke(tmp_path):
     assert 0 < row["host_ms"] <= row["wall_ms"] and row["forward_sample_ms"] > 0
 
 
+def test_decode_bench_cpu_long_context_smoke(tmp_path, capsys):
+    """--context-len: every batch size at every context in one engine (max_model_len raised to fit,
+    --max-kv-tokens skipping the largest product), each row with its prompt length, the floor and the
+    prefill tokens/s, and the long-context table printed last."""
+    result = bench_decode.run(["--device", "cpu", "--dtype", "float32", "--num-layers", "2",
+                               "--shapes", "smollm2-135m", "--batch-sizes", "1", "2", "--modes", "NONE",
+                               "--context-len", "40", "300", "--max-kv-tokens", "400", "--max-num-batched-tokens",
+                               "128", "--warmup", "1", "--steps", "2", "--no-hf", "--no-plot"])
+    rows = result["rows"]
+    assert [(r["prompt_len"], r["batch_size"]) for r in rows] == [(40, 1), (40, 2), (300, 1)]
+    assert result["max_model_len"] >= 300
+    for r in rows:
+        assert r["prefill_tok_s"] > 0 and r["floor_ms"] > 0 and r["context"] > r["prompt_len"]
+    assert rows[2]["floor_ms"] > rows[0]["floor_ms"], "a longer context reads more KV"
+    table = capsys.readouterr().out.split("Long context")[1]
+    assert "| x floor | prefill tok/s |" in table and "| smollm2-135m | NONE | 1 | 300 |" in table
+
+
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_shape_loads_with_autoconfig_and_model_spec(tmp_path, name):
     shape = SHAPES[name]

@@ -132,6 +132,46 @@ def test_mixed_decode_and_prefill_step():
     assert b.output_token_ids == reference(b.prompt_token_ids, 4)
 
 
+def test_long_prompt_chunks_leave_room_for_the_decodes():
+    """A long prompt prefilled beside running requests (one before it, one after it in arrival
+    order): each step its chunk takes at most long_prefill_token_threshold tokens and leaves one
+    token of the budget to each request after it; alone it takes the whole budget. Tokens still
+    match the reference."""
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8, long_prefill_token_threshold=6),
+                      CacheConfig(block_size=BS, enable_prefix_caching=False), 64, 64, {EOS})
+    runner = FakeRunner(64)
+    alone = make_request("alone", [7 + i % 5 for i in range(40)], max_tokens=1)
+    sched.add_request(alone)
+    out = sched.schedule()
+    assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [("alone", 16)]
+    sched.update(runner.execute(out))
+    run_all(sched, runner)
+    first, long, last = (make_request("first", [3, 4], max_tokens=12),
+                         make_request("long", [7 + i % 5 for i in range(40)], max_tokens=3),
+                         make_request("last", [5, 6], max_tokens=12))
+    sched.add_request(first)
+    sched.update(runner.execute(sched.schedule()))
+    sched.add_request(long)
+    sched.add_request(last)
+    out = sched.schedule()
+    assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [("first", 1), ("long", 6), ("last", 2)]
+    sched.update(runner.execute(out))
+    for _ in range(5):
+        out = sched.schedule()
+        assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [("first", 1), ("long", 6), ("last", 1)]
+        sched.update(runner.execute(out))
+    run_all(sched, runner)
+    for r in (alone, first, long, last):
+        assert r.output_token_ids == reference(r.prompt_token_ids, r.sampling_params.max_tokens)
+
+
+def test_long_prompt_threshold_defaults_to_a_quarter_of_the_budget():
+    assert SchedulerConfig().long_prefill_tokens == 2048
+    assert SchedulerConfig(max_num_batched_tokens=2048).long_prefill_tokens == 512
+    assert SchedulerConfig(max_num_batched_tokens=64).long_prefill_tokens == 64   # small budgets: no cap
+    assert SchedulerConfig(long_prefill_token_threshold=100).long_prefill_tokens == 100
+
+
 def test_preemption_recomputes_and_completes():
     # 6 blocks of 4: two requests growing to 6 + 12 tokens (5 blocks each) cannot both stay.
     sched = make_scheduler(num_blocks=6, max_model_len=24, caching=False)

@@ -331,7 +331,7 @@ def test_triton_backend_plans_the_step_graphs_launch_only_for_what_was_captured(
     bind = backend.step_graph_binder(replays)
 
     def metadata():
-        return SimpleNamespace(query_start_loc=None, seq_lens=None, block_table=None, max_seq_len=9)
+        return SimpleNamespace(query_start_loc=None, seq_lens=None, block_table=None, max_seq_len=9, max_query_len=1)
 
     with set_forward_context(ForwardContext(metadata(), caches, backend, CUDAGraphMode.PIECEWISE)):
         assert bind() == ("launch", 5)          # planned on the first break's recorded tensors

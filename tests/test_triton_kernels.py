@@ -174,6 +174,7 @@ def test_in_kernel_split_merge_matches_the_merge_kernel_and_resets_its_tickets(n
     from attention.kernels import unified_attention as ua
     b = make_batch([1, 4, 1], [70, 33, 5], num_q_heads=6, num_kv_heads=2, head_dim=16, block_size=16,
                    pad_tokens=2, pad_reqs=1, seed=8)
+    kernel_switches(fused_merge=True)
     fused = run_attention(b, num_splits=num_splits)
     assert all(int(t.abs().sum()) == 0 for t in ua._tickets.values())
     kernel_switches(fused_merge=False)
@@ -316,7 +317,7 @@ def test_backend_skips_the_kv_write_the_layer_did_and_fits_splits_only_outside_f
     calls = []
 
     class FakeStepAttention:
-        def __init__(self, qsl, seq_lens, block_table, max_seq_len):
+        def __init__(self, qsl, seq_lens, block_table, max_seq_len, max_query_len=None):
             self.max_seq_len = max_seq_len
             calls.append("new step")
 
@@ -335,7 +336,7 @@ def test_backend_skips_the_kv_write_the_layer_did_and_fits_splits_only_outside_f
     for mode, expected in [(CUDAGraphMode.NONE, 77), (CUDAGraphMode.PIECEWISE, 77), (CUDAGraphMode.FULL, None)]:
         calls.clear()
         metadata = SimpleNamespace(slot_mapping=None, query_start_loc=None, seq_lens=None, block_table=None,
-                                   max_seq_len=77)   # a new object per step, as the runner's
+                                   max_seq_len=77, max_query_len=1)   # a new object per step, as the runner's
         with set_forward_context(ForwardContext(metadata, [q], backend, mode)):
             backend.forward(layer, q, None, None, q, q, metadata)
             backend.forward(layer, q, None, None, q, q, metadata)   # the step's next layer
@@ -395,13 +396,13 @@ def test_split_count_from_padded_shapes_and_fitted_to_the_context_when_eager(mon
     from attention.kernels import unified_attention as ua
     monkeypatch.setattr(ua, "num_sms", lambda device: 132)  # an H100
     cuda = torch.device("cuda")
-    assert [ua.default_num_splits(b, b, 8, cuda) for b in (1, 8, 32, 128)] == [16, 8, 2, 1]
+    assert [ua.default_num_splits(b, b, 8, cuda) for b in (1, 8, 32, 128)] == [64, 8, 2, 1]
     block_n = ua.launch_config(cuda)["BLOCK_N"]
     per_split = ua.EAGER_TILES_PER_SPLIT * block_n
     assert ua.default_num_splits(1, 1, 8, cuda, max_seq_len=140) == 1
     assert ua.default_num_splits(1, 1, 8, cuda, max_seq_len=4 * per_split) == 4
     assert ua.default_num_splits(1, 1, 8, cuda, max_seq_len=5 * per_split) == 4  # a power of two
-    assert ua.default_num_splits(1, 1, 8, cuda, max_seq_len=4096) == 16
+    assert ua.default_num_splits(1, 1, 8, cuda, max_seq_len=4096) == 4096 // block_n // ua.EAGER_TILES_PER_SPLIT
     assert ua.default_num_splits(1, 1, 8, torch.device("cpu"), max_seq_len=4096) == 1
 
 
@@ -469,7 +470,7 @@ def test_piecewise_break_replay_uses_the_key_computed_at_capture(monkeypatch):
     calls = []
 
     class FakeStepAttention:
-        def __init__(self, qsl, seq_lens, block_table, max_seq_len):
+        def __init__(self, qsl, seq_lens, block_table, max_seq_len, max_query_len=None):
             calls.append("new step")
 
         def call_addressed(self, key, addresses, query, kv_cache, out, scale):
@@ -486,7 +487,7 @@ def test_piecewise_break_replay_uses_the_key_computed_at_capture(monkeypatch):
     assert prepared.step_graph.group is backend
 
     def metadata():
-        return SimpleNamespace(query_start_loc=None, seq_lens=None, block_table=None, max_seq_len=9)
+        return SimpleNamespace(query_start_loc=None, seq_lens=None, block_table=None, max_seq_len=9, max_query_len=1)
 
     step = metadata()
     with set_forward_context(ForwardContext(step, [cache], backend, CUDAGraphMode.PIECEWISE)):

@@ -107,7 +107,8 @@ class TritonPagedBackend(AttentionBackend):
         step = self._step
         if step is None or step[0] is not metadata:
             step = self._step = (metadata, StepAttention(metadata.query_start_loc, metadata.seq_lens,
-                                                         metadata.block_table, metadata.max_seq_len))
+                                                         metadata.block_table, metadata.max_seq_len,
+                                                         metadata.max_query_len))
         return step[1]
 
 

@@ -16,16 +16,26 @@ Layout of the work (the vLLM design):
   those rows are finite (0) rather than stale.
 - Split-KV (flash decoding): with num_splits > 1 each program takes a contiguous share of the
   KV tiles its q block needs, at least MIN_SPLIT_TILES of them (a short context may keep fewer
-  "active" splits). One active split writes `out` itself. Otherwise each active split writes
-  (max, sum, unnormalised acc) to scratch, and the last of them to finish, counted by an atomic
-  ticket, merges them in the same launch (FUSED_MERGE, KernelConfig.fused_merge; the separate merge kernel
-  otherwise). This
-  buys parallelism for small batches with long contexts without a second launch per layer.
+  "active" splits). Inside a CUDA graph (KernelConfig.fused_merge auto or off) each split writes
+  (max, sum, unnormalised acc) to scratch and `merge_splits_kernel` combines them: there it is the
+  faster. In an eager launch (auto or on; a second launch would cost host time) one active split
+  writes `out` itself, and otherwise the last split to finish, counted by an atomic ticket, merges
+  them in the same launch (FUSED_MERGE). This buys parallelism for small batches with long
+  contexts. The
+  split count is fixed per launch (a FULL graph: per captured size, from padded shapes alone, up
+  to MAX_SPLITS); the kernel computes on the device how many of those splits the context fills,
+  and the partials go to one persistent scratch buffer (`split_scratch`), so a replay finds them
+  at the captured addresses.
+- Two tile shapes, one kernel: decode-like steps take BLOCK_M = 16 rows; a step with long
+  queries (prefill, chunked prefill, mixed) takes the prefill tiles (BLOCK_M = 128 rows, deeper
+  pipelining, `launch_config`), so each K/V tile feeds a full tensor-core dot. Either way the
+  tiles past a q block's last query are never loaded, and the tiles wholly before its first query
+  run without building a mask (`_attend_tiles`, MASKED off): only the diagonal tiles are masked.
 Scores are kept in the log2 domain (scale * log2(e) folded in) so the softmax uses exp2.
 DOT_FP32 (CPU only) upcasts the dot operands: Triton's interpreter multiplies bf16 tensors as their
 raw 16-bit patterns (numpy has no bf16), so interpreted bf16 dots are wrong without it.
 
-Why one file of ~540 lines: it is one op, the kernel and its host-side launch (`_plan`, `StepAttention`).
+Why one file of ~700 lines: it is one op, the kernel and its host-side launch (`_plan`, `StepAttention`).
 The launch passes every kernel parameter positionally in signature order (launch/fast_launch.py's
 contract), and StepAttention patches the first three by position, so a change to the kernel's
 parameters is a change to the launch in the same commit; split apart, the two would drift.
@@ -60,7 +70,9 @@ def attention_kernel(
     SPLIT_KV: tl.constexpr, DOT_FP32: tl.constexpr, FUSED_MERGE: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr,
     MAX_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, PDL: tl.constexpr,
 ):
-    q_block = tl.program_id(0)
+    # The last q blocks of a request see the most keys: launched first (block order reversed), they
+    # do not leave a long tail behind the short ones in a long prefill.
+    q_block = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
@@ -85,16 +97,23 @@ def attention_kernel(
 
     # KV positions this q block needs, and this split's share of their tiles (at least
     # MIN_SPLIT_TILES: the splits past `active` have none, and exit before loading q).
-    kv_end = tl.minimum(context_len + (local_block + 1) * BLOCK_Q, seq_len)
+    first_q_pos = context_len + local_block * BLOCK_Q
+    kv_end = tl.minimum(first_q_pos + BLOCK_Q, seq_len)
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
     if HAS_WINDOW:   # the block's first query sees no key at or before its position - window
-        first_tile = tl.maximum(context_len + local_block * BLOCK_Q - window + 1, 0) // BLOCK_N
+        first_tile = tl.maximum(first_q_pos - window + 1, 0) // BLOCK_N
     else:
         first_tile = num_tiles * 0
     tiles_per_split = tl.maximum(tl.cdiv(num_tiles - first_tile, num_splits), MIN_SPLIT_TILES)
     active = tl.cdiv(num_tiles - first_tile, tiles_per_split)
     tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    # Tiles below `full_hi` are wholly visible to every query of the block (keys at or before its
+    # first query's position): no mask is built for them, only for the diagonal tiles after.
+    if HAS_WINDOW:
+        full_hi = tile_lo
+    else:
+        full_hi = tl.maximum(tl.minimum((first_q_pos + 1) // BLOCK_N, tile_hi), tile_lo)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     cols = tl.arange(0, BLOCK_N)
     next_block = _tile_blocks(table_row, tile_lo, cols, kv_end, BLOCK_N, BLOCK_SIZE)   # the first tile's
@@ -133,33 +152,14 @@ def attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    for tile in range(tile_lo, tile_hi):
-        pos = tile * BLOCK_N + cols
-        pos_ok = pos < kv_end
-        block = next_block
-        next_block = _tile_blocks(table_row, tile + 1, cols, kv_end, BLOCK_N, BLOCK_SIZE)   # one tile ahead
-        kv_off = block * stride_c_b + (pos % BLOCK_SIZE) * stride_c_s + kv_head * stride_c_h
-        k = tl.load(cache_ptr + kv_off[None, :] + dims[:, None],
-                    mask=pos_ok[None, :] & dim_ok[:, None], other=0.0)            # [D_PAD, BLOCK_N]
-        v = tl.load(cache_ptr + stride_c_kv + kv_off[:, None] + dims[None, :],
-                    mask=pos_ok[:, None] & dim_ok[None, :], other=0.0)            # [BLOCK_N, D_PAD]
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, k, input_precision="ieee") * scale_log2
-        if HAS_SOFT_CAP:   # cap * tanh(score / cap), in the log2 domain: soft_cap_log2 = cap * log2(e)
-            s = soft_cap_log2 * _tanh(s / soft_cap_log2)
-        visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
-        if HAS_WINDOW:
-            visible = visible & (pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # fully masked rows stay at 0
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+    m_i, l_i, acc, next_block = _attend_tiles(
+        q, m_i, l_i, acc, next_block, tile_lo, full_hi, cache_ptr, table_row, cols, dims, kv_end, q_pos,
+        kv_head, window, scale_log2, soft_cap_log2, stride_c_kv, stride_c_b, stride_c_s, stride_c_h,
+        HEAD_DIM, D_PAD, BLOCK_N, BLOCK_SIZE, DOT_FP32, False, HAS_WINDOW, HAS_SOFT_CAP)
+    m_i, l_i, acc, next_block = _attend_tiles(
+        q, m_i, l_i, acc, next_block, full_hi, tile_hi, cache_ptr, table_row, cols, dims, kv_end, q_pos,
+        kv_head, window, scale_log2, soft_cap_log2, stride_c_kv, stride_c_b, stride_c_s, stride_c_h,
+        HEAD_DIM, D_PAD, BLOCK_N, BLOCK_SIZE, DOT_FP32, True, HAS_WINDOW, HAS_SOFT_CAP)
 
     dst = out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     out_mask = row_ok[:, None] & dim_ok[None, :]
@@ -175,30 +175,85 @@ def attention_kernel(
         # The last active split of this (q block, KV head) to finish merges them all. Every
         # thread's partials are stored before the barrier; the ticket's acq_rel atomic publishes
         # them to, and acquires the others' for, the last arrival, which reads them past L1 (.cg)
-        # and resets the ticket for the next launch or replay. The merge loop is unrolled
-        # (static_range, masked past `active`) so its loads are independent and issue together.
+        # and resets the ticket for the next launch or replay.
         tl.debug_barrier()
         ticket = ticket_ptr + q_block * tl.num_programs(1) + kv_head
         arrived = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")
         if arrived == active - 1:
             tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
-            m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-            l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
-            o_all = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-            for split_i in tl.static_range(MAX_SPLITS):
-                ok = row_ok & (tl.full([BLOCK_M], split_i, tl.int32) < active)
-                m_s = tl.load(part_max_ptr + row_parts + split_i, mask=ok, other=float("-inf"), cache_modifier=".cg")
-                l_s = tl.load(part_sum_ptr + row_parts + split_i, mask=ok, other=0.0, cache_modifier=".cg")
-                a_s = tl.load(part_acc_ptr + (row_parts + split_i)[:, None] * D_PAD + dims[None, :],
-                              mask=ok[:, None], other=0.0, cache_modifier=".cg")
-                m_new = tl.maximum(m_all, m_s)
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # empty so far: weights 0
-                alpha = tl.math.exp2(m_all - m_ref)
-                beta = tl.math.exp2(m_s - m_ref)
-                l_all = l_all * alpha + l_s * beta
-                o_all = o_all * alpha[:, None] + a_s * beta[:, None]
-                m_all = m_new
-            _store_normalised(dst, o_all, l_all, out_mask)
+            _merge_partials(part_max_ptr, part_sum_ptr, part_acc_ptr, row_parts, active, row_ok, dims, dst,
+                            out_mask, BLOCK_M, D_PAD, MAX_SPLITS)
+
+
+@triton.jit
+def _attend_tiles(q, m_i, l_i, acc, next_block, tile_lo, tile_hi, cache_ptr, table_row, cols, dims, kv_end, q_pos,
+                  kv_head, window, scale_log2, soft_cap_log2, stride_c_kv, stride_c_b, stride_c_s, stride_c_h,
+                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  DOT_FP32: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                  HAS_SOFT_CAP: tl.constexpr):
+    """Online softmax over KV tiles tile_lo..tile_hi-1 (K and V read [BLOCK_N, D] as stored, one
+    position's head_dim contiguous). MASKED: causal, kv_end and window masks; else every key of
+    every tile is visible (the caller guarantees it). Returns the running (max, sum, acc) and the
+    block ids of the tile after the last (prefetched one tile ahead)."""
+    for tile in range(tile_lo, tile_hi):
+        pos = tile * BLOCK_N + cols
+        block = next_block
+        next_block = _tile_blocks(table_row, tile + 1, cols, kv_end, BLOCK_N, BLOCK_SIZE)   # one tile ahead
+        kv_off = (block * stride_c_b + (pos % BLOCK_SIZE) * stride_c_s + kv_head * stride_c_h)[:, None] + dims[None, :]
+        if MASKED:
+            kv_mask = (pos < kv_end)[:, None] & (dims < HEAD_DIM)[None, :]
+            k = tl.load(cache_ptr + kv_off, mask=kv_mask, other=0.0)                     # [BLOCK_N, D_PAD]
+            v = tl.load(cache_ptr + stride_c_kv + kv_off, mask=kv_mask, other=0.0)
+        elif HEAD_DIM == D_PAD:
+            k = tl.load(cache_ptr + kv_off)
+            v = tl.load(cache_ptr + stride_c_kv + kv_off)
+        else:
+            k = tl.load(cache_ptr + kv_off, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+            v = tl.load(cache_ptr + stride_c_kv + kv_off, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        if HAS_SOFT_CAP:   # cap * tanh(score / cap), in the log2 domain: soft_cap_log2 = cap * log2(e)
+            s = soft_cap_log2 * _tanh(s / soft_cap_log2)
+        if MASKED:
+            visible = (pos[None, :] <= q_pos[:, None]) & (pos < kv_end)[None, :]
+            if HAS_WINDOW:
+                visible = visible & (pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # fully masked rows stay at 0
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    return m_i, l_i, acc, next_block
+
+
+@triton.jit
+def _merge_partials(part_max_ptr, part_sum_ptr, part_acc_ptr, row_parts, active, row_ok, dims, dst, out_mask,
+                    BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M) over the `active` splits of each row.
+    The maxima and sums of all splits are one [MAX_SPLITS, BLOCK_M] load, so the global max is
+    known first and each split's accumulator then adds in independently (unrolled, masked past
+    `active`)."""
+    splits = tl.arange(0, MAX_SPLITS)
+    ok = (splits[:, None] < active) & row_ok[None, :]
+    parts = row_parts[None, :] + splits[:, None]
+    m_s = tl.load(part_max_ptr + parts, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    l_s = tl.load(part_sum_ptr + parts, mask=ok, other=0.0, cache_modifier=".cg")
+    m_all = tl.max(m_s, axis=0)
+    m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)        # no split saw a key: weights 0
+    l_all = tl.sum(l_s * tl.math.exp2(m_s - m_ref[None, :]), axis=0)
+    o_all = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    for split_i in tl.static_range(MAX_SPLITS):
+        ok_s = row_ok & (tl.full([BLOCK_M], split_i, tl.int32) < active)
+        m_s1 = tl.load(part_max_ptr + row_parts + split_i, mask=ok_s, other=float("-inf"), cache_modifier=".cg")
+        a_s = tl.load(part_acc_ptr + (row_parts + split_i)[:, None] * D_PAD + dims[None, :], mask=ok_s[:, None],
+                      other=0.0, cache_modifier=".cg")
+        o_all += a_s * tl.math.exp2(m_s1 - m_ref)[:, None]
+    _store_normalised(dst, o_all, l_all, out_mask)
 
 
 @triton.jit
@@ -257,16 +312,22 @@ def merge_splits_kernel(
     tl.store(dst, result.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
-MAX_SPLITS = 16
-"""A power of two: the merge kernel reads all splits of a row as one MAX_SPLITS-wide vector."""
+MAX_SPLITS = 64
+"""A power of two: the merge reads all splits of a row as one MAX_SPLITS-wide vector. 64 lets one
+long sequence (batch 1, 8 KV heads) spread over 512 programs: about four per SM of an H100, the
+parallelism a stream over the KV cache needs to approach the memory bandwidth."""
 REQ_CHUNK = 64
 """Requests scanned per step of the owner search. Batch-dependent values (token and request
 counts, splits) are runtime arguments, never constexprs or specialised ints: every capture size
-then shares one compiled kernel per (model shape, split or not), so capturing 67 sizes does not
-JIT-compile dozens of variants on a cold Triton cache."""
+then shares one compiled kernel per (model shape, tiles, split or not), so capturing 67 sizes does
+not JIT-compile dozens of variants on a cold Triton cache."""
 EAGER_TILES_PER_SPLIT = 4
 """An eager call splits only contexts of at least this many KV tiles per split: below that the
 merge launch costs more host time (PIECEWISE runs it eagerly) than the split saves on the GPU."""
+PREFILL_MIN_QUERY = 16
+"""A step whose longest query has at least this many tokens takes the prefill tiles (BLOCK_M 128
+rows): the K/V tiles a program loads then serve 128 / GROUP query tokens instead of 16 / GROUP,
+and the dots fill the tensor cores. Decode-like steps keep the small tiles."""
 
 
 def min_split_tiles() -> int:
@@ -287,29 +348,71 @@ _tickets: dict[torch.device, torch.Tensor] = {}
 
 def _merge_tickets(device: torch.device, needed: int) -> torch.Tensor | None:
     """The device's ticket counters (zero between launches: the last arrival resets its own), or
-    None for the separate merge kernel: KernelConfig.fused_merge off, too many programs, or no buffer yet while
-    a CUDA graph is being captured (one made there would live in the graph's pool). Made at the
-    first call outside a capture; the engine's warm-up runs eagerly before any capture."""
+    None for the separate merge kernel: KernelConfig.fused_merge off (or auto inside a CUDA graph
+    capture), too many programs, or no buffer yet while a graph is being captured (one made there
+    would live in the graph's pool). Made at the first call outside a capture; the engine's warm-up
+    runs eagerly before any capture."""
+    fused = active_kernel_config().fused_merge
+    if fused is None:   # auto: the merge kernel inside a graph, the in-kernel merge in an eager launch
+        fused = not _capturing(device)
+    if not fused or needed > MERGE_TICKETS:
+        return None
     tickets = _tickets.get(device)
     if tickets is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if _capturing(device):
             return None
         tickets = _tickets[device] = torch.zeros(MERGE_TICKETS, dtype=torch.int32, device=device)
-    return tickets if needed <= MERGE_TICKETS and active_kernel_config().fused_merge else None
+    return tickets
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 SPLIT_ROWS = 512
 """At most this many (token row x split) pairs: splits pay off for decode-like steps, where few
 programs would otherwise each stream a long context; big batches have parallelism already, and
 the scratch (rows x splits x Hq x D floats, 8 MiB for Llama-3-8B heads) stays small."""
+_scratch_buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_retired_scratch: list[tuple[torch.Tensor, torch.Tensor]] = []
+"""Scratch replaced by a larger one: kept alive, as graphs captured before may still read it."""
+
+
+def split_scratch(device: torch.device, rows: int, d_pad: int, num_q_heads: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(acc [rows * d_pad], max [rows], sum [rows]) float32 for the split partials of `rows`
+    (token x head x split) rows: views of one persistent per-device buffer, made for at least
+    SPLIT_ROWS x `num_q_heads` rows (all any default split needs), so every FULL graph and eager
+    step reads partials at the same addresses and no launch allocates. Made or grown only outside
+    a capture (the engine's warm-up runs eagerly first); a capture that needs more than there is
+    gets its own from the graph pool. The layers of a step share it: they run one after another
+    on the stream."""
+    held = _scratch_buffers.get(device)
+    if held is None or held[0].numel() < rows * d_pad or held[1].numel() < 2 * rows:
+        if _capturing(device):
+            part_stats = torch.empty(2 * rows, dtype=torch.float32, device=device)
+            return torch.empty(rows * d_pad, dtype=torch.float32, device=device), part_stats[:rows], part_stats[rows:]
+        if held is not None:
+            _retired_scratch.append(held)
+        size = max(rows, SPLIT_ROWS * num_q_heads, 0 if held is None else held[1].numel() // 2)
+        acc_size = max(size * d_pad, 0 if held is None else held[0].numel())
+        held = _scratch_buffers[device] = (torch.empty(acc_size, dtype=torch.float32, device=device),
+                                           torch.empty(2 * size, dtype=torch.float32, device=device))
+    part_acc, part_stats = held
+    size = part_stats.numel() // 2
+    return part_acc[: rows * d_pad], part_stats[:rows], part_stats[size: size + rows]
 
 
 def default_num_splits(num_tokens: int, num_reqs: int, num_kv_heads: int, device: torch.device,
                        max_seq_len: int | None = None) -> int:
     """KV splits per q block: enough (request, kv head, split) programs to give every SM about
-    four. On an H100 this picks 16 / 8 / 2 splits for bs 1 / 8 / 32 (ctx 4096), the fastest of
-    1-16 at each (`graphrunner bench attention`; docs/PERFORMANCE.md). Inside a captured graph only padded shapes are known (the graph replays
-    whatever was chosen at capture); an eager call may pass the step's `max_seq_len`, and then
-    gets a split only per EAGER_TILES_PER_SPLIT KV tiles, so a short context skips the split
-    scratch and the merge launch (PIECEWISE runs attention eagerly, where each launch is host time)."""
+    four. On an H100 this picks 64 / 8 / 2 splits for bs 1 / 8 / 32 with 8 KV heads
+    (`graphrunner bench attention --context-len 32768`; docs/PERFORMANCE.md). Inside a captured
+    graph only padded shapes are known (the graph replays whatever was chosen at capture; the kernel
+    then keeps only the splits the context fills, at least min_split_tiles tiles each); an eager
+    call may pass the step's `max_seq_len`, and then gets a split only per EAGER_TILES_PER_SPLIT KV
+    tiles, so a short context skips the split scratch and the merge (PIECEWISE runs attention eagerly,
+    where each launch is host time)."""
     if device.type != "cuda" or num_reqs == 0:
         return 1
     wanted = min(4 * num_sms(device) // (num_reqs * num_kv_heads), MAX_SPLITS, SPLIT_ROWS // num_tokens)
@@ -318,31 +421,53 @@ def default_num_splits(num_tokens: int, num_reqs: int, num_kv_heads: int, device
     return 1 << (wanted.bit_length() - 1) if wanted >= 2 else 1
 
 
-def tile_sizes(num_q_heads: int, num_kv_heads: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_Q): BLOCK_M rows = BLOCK_Q tokens x GROUP heads, at least 16 for tl.dot."""
+def use_prefill_tiles(num_tokens: int, num_reqs: int, max_query_len: int | None = None) -> bool:
+    """Whether a step takes the prefill tiles: its longest query has PREFILL_MIN_QUERY tokens or more
+    (`max_query_len`, known to an eager call), or, inside a graph, where only padded shapes are
+    known, its token rows are that many and at least twice its request rows (a uniform decode batch
+    never is)."""
+    if max_query_len is not None:
+        return max_query_len >= PREFILL_MIN_QUERY
+    return num_tokens >= PREFILL_MIN_QUERY and num_tokens >= 2 * num_reqs
+
+
+def tile_sizes(num_q_heads: int, num_kv_heads: int, prefill: bool = False,
+               device: torch.device | None = None) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_Q): BLOCK_M rows = BLOCK_Q tokens x GROUP heads, at least 16 for tl.dot
+    (prefill: at least launch_config's BLOCK_M rows)."""
     group = num_q_heads // num_kv_heads
-    block_m = max(16, triton.next_power_of_2(group))
+    least = launch_config(device or torch.device("cuda"), True)["BLOCK_M"] if prefill else 16
+    block_m = max(least, triton.next_power_of_2(group))
     return block_m, block_m // group
 
 
 @functools.cache
-def launch_config(device: torch.device) -> dict:
+def launch_config(device: torch.device, prefill: bool = False) -> dict:
     """KV tile length and the compiler's warps / pipelining depth (tuned on an H100 with
-    `graphrunner bench attention`); the interpreter gets short tiles (faster in numpy). Cached, as
+    `graphrunner bench attention`), for decode-like steps or (prefill) the prefill tiles, whose
+    BLOCK_M is given here too; the interpreter gets short tiles (faster in numpy). Cached, as
     every eager call reads it: do not mutate the result."""
     if device.type == "cpu":
-        return dict(BLOCK_N=32, num_warps=4, num_stages=1)
-    return dict(BLOCK_N=64, num_warps=4, num_stages=2)
+        return dict(BLOCK_N=32, num_warps=4, num_stages=1, **(dict(BLOCK_M=32) if prefill else {}))
+    if prefill:
+        return dict(PREFILL_CONFIG)
+    return dict(BLOCK_N=128, num_warps=4, num_stages=2)
+
+
+PREFILL_CONFIG = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+"""The prefill tiles on a GPU (`graphrunner bench attention --prefill-len 8192`, docs/PERFORMANCE.md)."""
 
 
 @functools.cache
-def _constexprs(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, device: torch.device) -> dict:
-    """The kernel's compile-time arguments, which depend on the model and device only: computed
-    once, not per call (an eager PIECEWISE step calls the kernel once per layer)."""
-    block_m, block_q = tile_sizes(num_q_heads, num_kv_heads)
+def _constexprs(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int, device: torch.device,
+                prefill: bool = False) -> dict:
+    """The kernel's compile-time arguments, which depend on the model, the device and the tiles
+    only: computed once, not per call (an eager PIECEWISE step calls the kernel once per layer)."""
+    block_m, block_q = tile_sizes(num_q_heads, num_kv_heads, prefill, device)
+    config = {k: v for k, v in launch_config(device, prefill).items() if k != "BLOCK_M"}
     return dict(GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
                 BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, REQ_CHUNK=REQ_CHUNK,
-                DOT_FP32=device.type == "cpu", PDL=use_pdl(device), **launch_config(device))
+                DOT_FP32=device.type == "cpu", PDL=use_pdl(device), **config)
 
 
 _attention_launch = FastLaunch(attention_kernel)
@@ -352,16 +477,19 @@ _merge_launch = FastLaunch(merge_splits_kernel)
 def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                       scale: float, num_splits: int | None = None, max_seq_len: int | None = None,
-                      sliding_window: int | None = None, soft_cap: float | None = None) -> None:
+                      sliding_window: int | None = None, soft_cap: float | None = None,
+                      max_query_len: int | None = None, prefill_tiles: bool | None = None) -> None:
     """Causal paged attention of query [T, Hq, D] over kv_cache [2, num_blocks, block_size, Hkv, D]
     into out [T, Hq, D]. Request r's queries are rows query_start_loc[r]:query_start_loc[r+1] and
     its KV is the first seq_lens[r] positions of its block_table row. Rows past
     query_start_loc[-1] are set to 0. No host sync, no value-dependent allocation: capturable.
     `max_seq_len` (eager calls only: a graph would freeze it) lets the split count fit the step.
     `sliding_window` (a query at p sees keys > p - window) and `soft_cap` (scores -> cap * tanh(s / cap))
-    are per-layer constants of the launch (constexpr flags, runtime values): capturable too."""
+    are per-layer constants of the launch (constexpr flags, runtime values): capturable too.
+    `max_query_len` (eager calls only) picks the tiles from the step's longest query
+    (`use_prefill_tiles`; inside a graph, from padded shapes); `prefill_tiles` forces the choice."""
     launch = _plan(query, kv_cache, out, query_start_loc, seq_lens, block_table, scale, num_splits, max_seq_len,
-                   sliding_window, soft_cap)
+                   sliding_window, soft_cap, max_query_len, prefill_tiles)
     if launch is not None:
         launch.run()
 
@@ -383,7 +511,8 @@ class _Launch:
 
 def _plan(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor,
           seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, num_splits: int | None,
-          max_seq_len: int | None, sliding_window: int | None = None, soft_cap: float | None = None) -> _Launch | None:
+          max_seq_len: int | None, sliding_window: int | None = None, soft_cap: float | None = None,
+          max_query_len: int | None = None, prefill_tiles: bool | None = None) -> _Launch | None:
     """Check the arguments and bind the launch (None: nothing to launch)."""
     # Eager PIECEWISE calls this once per layer per step: each tensor's shape and strides are read
     # once (every .stride(i) call is a dispatch), and no Triton helper runs on the host.
@@ -405,20 +534,24 @@ def _plan(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, query_
     if num_reqs == 0:
         out.zero_()
         return None
-    if num_splits is None:
-        num_splits = default_num_splits(num_tokens, num_reqs, num_kv_heads, query.device, max_seq_len)
+    if prefill_tiles is None:
+        prefill_tiles = use_prefill_tiles(num_tokens, num_reqs, max_query_len)
+    device = query.device
+    constexprs = _constexprs(num_q_heads, num_kv_heads, head_dim, cache_shape[2], device, prefill_tiles)
+    q_blocks = -(-num_tokens // constexprs["BLOCK_Q"]) + num_reqs
+    if num_splits is None:   # prefill tiles: parallel over q blocks already, split only a short query
+        num_splits = default_num_splits(num_tokens, q_blocks if prefill_tiles else num_reqs, num_kv_heads, device,
+                                        max_seq_len)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
-    device = query.device
-    constexprs = _constexprs(num_q_heads, num_kv_heads, head_dim, cache_shape[2], device)
     d_pad = constexprs["D_PAD"]
-    grid = (-(-num_tokens // constexprs["BLOCK_Q"]) + num_reqs, num_kv_heads, num_splits)
-    tickets = _merge_tickets(device, grid[0] * num_kv_heads)
+    grid = (q_blocks, num_kv_heads, num_splits)
+    # The in-kernel merge holds a [BLOCK_M, D] accumulator per split: for the prefill tiles' 128
+    # rows that is too many registers, so their (rare) splits always take the merge kernel.
+    tickets = None if prefill_tiles else _merge_tickets(device, grid[0] * num_kv_heads)
     fused_merge = num_splits > 1 and tickets is not None
     if num_splits > 1:
-        part_acc = torch.empty(num_tokens, num_q_heads, num_splits, d_pad, dtype=torch.float32, device=device)
-        part_max = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32, device=device)
-        part_sum = torch.empty_like(part_max)
+        part_acc, part_max, part_sum = split_scratch(device, num_tokens * num_q_heads * num_splits, d_pad, num_q_heads)
     else:
         part_acc = part_max = part_sum = seq_lens     # unused (not `out`: StepAttention keeps these)
     c = constexprs
@@ -440,7 +573,7 @@ def _plan(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, query_
         merge = ((num_tokens, num_q_heads),
                  (out, query_start_loc, part_acc, part_max, part_sum, num_reqs, num_q_heads, num_splits,
                   out_stride[0], out_stride[1], head_dim, d_pad, MAX_SPLITS, c["PDL"]),
-                 dict(device_index=device_index, num_warps=1 if d_pad <= 64 else 2, num_stages=3, launch_pdl=c["PDL"]))
+                 dict(device_index=device_index, num_warps=4, num_stages=3, launch_pdl=c["PDL"]))
     return _Launch(grid, args, options, merge)
 
 
@@ -479,19 +612,21 @@ class StepAttention:
     and FastLaunch's key cost more host time than the launch itself. A layer that differs, a split
     merge that needs its own kernel, or Triton's ordinary launch path (hooks, interpreter) falls
     back to `unified_attention` for that call. Split scratch is shared by the step's layers
-    (they run one after another on the stream). Never use one across steps: it keeps `max_seq_len`."""
+    (they run one after another on the stream). Never use one across steps: it keeps `max_seq_len`
+    and `max_query_len` (which pick the split count and the tiles)."""
 
     def __init__(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                 max_seq_len: int | None) -> None:
+                 max_seq_len: int | None, max_query_len: int | None = None) -> None:
         self.metadata = (query_start_loc, seq_lens, block_table)
         self.max_seq_len = max_seq_len
+        self.max_query_len = max_query_len
         self._key: tuple | None = None
         self._kernel = None
         self._grid: tuple = ()
         self._rest: tuple = ()
         """Every argument after query, kv_cache and out, tensors as their device addresses (the C
         launcher takes an int as it is; a tensor costs it a `data_ptr()` call and a driver query)."""
-        self._alive: tuple = ()   # the tensors behind those addresses (the split scratch is this step's)
+        self._alive: tuple = ()   # the tensors behind those addresses
         self._direct = None   # FastLaunch.direct_launch of the bound kernel, grid and stream (None: relaunch)
         self._native: tuple[KernelLaunch, int] | bool | None = None   # native_launch's answer, once worked out
         self._device_index = 0
@@ -510,7 +645,8 @@ class StepAttention:
         if self._kernel is not None and key == self._key:
             self._relaunch(query, kv_cache, out)
             return
-        launch = _plan(query, kv_cache, out, *self.metadata, scale, None, self.max_seq_len, *_masking(key))
+        launch = _plan(query, kv_cache, out, *self.metadata, scale, None, self.max_seq_len, *_masking(key),
+                       self.max_query_len)
         if launch is None:
             return
         kernel = launch.run()
@@ -525,7 +661,8 @@ class StepAttention:
         kernel for this launch yet (an eager call compiles it), or another key already bound."""
         if self._kernel is not None:
             return key is self._key or key == self._key
-        launch = _plan(query, kv_cache, out, *self.metadata, scale, None, self.max_seq_len, *_masking(key))
+        launch = _plan(query, kv_cache, out, *self.metadata, scale, None, self.max_seq_len, *_masking(key),
+                       self.max_query_len)
         if launch is None or launch.merge is not None:
             return False
         kernel = _attention_launch.compiled_kernel(launch.args, **launch.options)

@@ -5,8 +5,15 @@ report of one comparison stay in one file so a figure and its method are read to
 
     graphrunner bench decode [--shapes smollm2-135m llama-3.2-1b llama-3-8b]
         [--batch-sizes 1 8 32 128] [--modes NONE PIECEWISE FULL] [--warmup 5] [--steps 20]
-        [--prompt-len 128] [--async-scheduling {auto,on,off}] [--no-hf] [--hf-max-batch N] [--quick]
+        [--prompt-len 128 | --context-len 1024 32768 ...] [--max-kv-tokens N]
+        [--async-scheduling {auto,on,off}] [--no-hf] [--hf-max-batch N] [--quick]
         [--tensor-parallel-size 1 2] [--out DIR] [--no-plot]
+
+Long context: `--context-len 1024 32768 61440` runs every batch size at each context in one engine
+(max_model_len raised to fit; `--max-kv-tokens` skips batch x context products above it), and
+prints a long-context table: decode ms/token, the bandwidth floor, x floor and the prefill
+tokens/s of the prompts (first token of every request, from adding them; a warm-up request first
+compiles the prefill kernels).
 
 Model shapes come from runner/benchmarks/model_shapes.py, with random (`load_format="dummy"`) bf16 weights.
 One engine per (shape, mode, tensor-parallel size), graphs captured for exactly the batch sizes
@@ -250,6 +257,9 @@ class Row:
     """Median `start -> end` (events around `engine.step()`): the old ms/step, sync mode only."""
     floor_ms: float | None = None
     pct_of_floor: float | None = None
+    prompt_len: int = 0
+    prefill_tok_s: float | None = None
+    """Prompt tokens of the batch / seconds from adding the requests to the first token of each."""
     hf_ms_per_step: float | None = None
     speedup_vs_hf: float | None = None
     tensor_parallel_size: int = 1
@@ -262,21 +272,31 @@ def random_prompts(batch_size: int, prompt_len: int, vocab: int, seed: int) -> l
 
 
 def prefill_step_bound(batch_size: int, prompt_len: int, max_num_batched_tokens: int) -> int:
-    """Steps at most until every request has its first token (each yields <= 1 token per request)."""
-    return -(-batch_size * prompt_len // max_num_batched_tokens) + 2
+    """Steps at most until every request has its first token (each yields <= 1 token per request;
+    beside running requests a prompt's chunk is capped, SchedulerConfig.long_prefill_token_threshold,
+    so several prompts share a step's budget and the last steps may not fill it)."""
+    return 2 * -(-batch_size * prompt_len // max_num_batched_tokens) + 2 * batch_size + 2
 
 
-def max_tokens_for(batch_size: int, args) -> int:
+def max_tokens_for(batch_size: int, args, prompt_len: int | None = None) -> int:
     """Enough that no request finishes before the last timed step, whatever the prefill took (+2:
     with async scheduling the engine runs a step ahead of the outputs it returns)."""
-    return prefill_step_bound(batch_size, args.prompt_len, args.max_num_batched_tokens) + 3 + args.warmup + args.steps
+    prompt_len = args.prompt_len if prompt_len is None else prompt_len
+    return prefill_step_bound(batch_size, prompt_len, args.max_num_batched_tokens) + 3 + args.warmup + args.steps
+
+
+def cases(args) -> list[tuple[int, int]]:
+    """(prompt length, batch size) pairs to run: every batch size at every context, less those
+    over --max-kv-tokens."""
+    return [(c, b) for c in args.contexts for b in args.batch_sizes
+            if args.max_kv_tokens is None or b * c <= args.max_kv_tokens]
 
 
 def build_engine(folder: Path, mode: str, args, tensor_parallel_size: int = 1):
     from runner import LLM
     max_bs = max(args.batch_sizes)
-    per_request = -(-(args.prompt_len + max_tokens_for(max_bs, args)) // BLOCK_SIZE)
-    num_blocks = max(max_bs * per_request, -(-args.max_model_len // BLOCK_SIZE)) + 8
+    num_blocks = max(b * -(-(c + max_tokens_for(b, args, c)) // BLOCK_SIZE) for c, b in cases(args))
+    num_blocks = max(num_blocks, -(-args.max_model_len // BLOCK_SIZE)) + 8
     return LLM(model=str(folder), load_format="dummy", dtype=args.dtype, device=args.device, cudagraph_mode=mode,
                cudagraph_capture_sizes=sorted(set(args.batch_sizes)), max_num_seqs=max_bs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
@@ -284,16 +304,32 @@ def build_engine(folder: Path, mode: str, args, tensor_parallel_size: int = 1):
                async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
 
 
-def bench_engine_batch(llm, shape: str, mode: str, batch_size: int, args) -> Row:
+def warm_prefill(llm, args) -> None:
+    """One short request whose prompt fills a whole step (a prefill and the decode after it), so the
+    first timed prefill does not compile the prefill kernels."""
+    from configs import SamplingParams
+    engine = llm.engine
+    prompt = random_prompts(1, min(args.max_num_batched_tokens, max(args.contexts)), engine.spec.vocab_size,
+                            seed=-1)[0]
+    engine.add_request(prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=2), request_id="warm")
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def bench_engine_batch(llm, shape: str, mode: str, batch_size: int, args, prompt_len: int | None = None) -> Row:
     from configs import SamplingParams
     engine = llm.engine
     runner = engine.model_runner
     clock = Clock(runner.device)
-    prefill_bound = prefill_step_bound(batch_size, args.prompt_len, args.max_num_batched_tokens)
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens_for(batch_size, args))
-    prompts = random_prompts(batch_size, args.prompt_len, engine.spec.vocab_size, seed=batch_size)
-    ids = [engine.add_request(p, params, request_id=f"bs{batch_size}-{i}") for i, p in enumerate(prompts)]
+    prompt_len = args.prompt_len if prompt_len is None else prompt_len
+    prefill_bound = prefill_step_bound(batch_size, prompt_len, args.max_num_batched_tokens)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens_for(batch_size, args, prompt_len))
+    prompts = random_prompts(batch_size, prompt_len, engine.spec.vocab_size, seed=batch_size * 7919 + prompt_len)
 
+    clock.sync()
+    prefill_started = time.perf_counter()
+    ids = [engine.add_request(p, params, request_id=f"bs{batch_size}-ctx{prompt_len}-{i}")
+           for i, p in enumerate(prompts)]
     started: set[str] = set()
     for _ in range(prefill_bound + 2):  # async: the first step() returns nothing
         started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
@@ -301,6 +337,7 @@ def bench_engine_batch(llm, shape: str, mode: str, batch_size: int, args) -> Row
             break
     else:
         raise RuntimeError(f"{batch_size} requests did not all start decoding within {prefill_bound} steps")
+    prefill_s = time.perf_counter() - prefill_started   # the first tokens are on the host: no sync needed
 
     marks = StepMarks(clock, runner)
     recorded, walls, waits, contexts = [], [], [], []
@@ -317,7 +354,7 @@ def bench_engine_batch(llm, shape: str, mode: str, batch_size: int, args) -> Row
             if step >= args.warmup:
                 walls.append(wall * 1e3)
                 waits.append(marks.waited_s * 1e3)
-                contexts.append(statistics.fmean(args.prompt_len + len(o.outputs[0].token_ids) for o in outputs))
+                contexts.append(statistics.fmean(prompt_len + len(o.outputs[0].token_ids) for o in outputs))
     finally:
         marks.restore()
         for request_id in ids:
@@ -339,7 +376,8 @@ def bench_engine_batch(llm, shape: str, mode: str, batch_size: int, args) -> Row
                host_ms=statistics.median(host_ms), forward_sample_ms=statistics.median(inner_ms),
                wall_ms=statistics.median(walls), context=statistics.fmean(contexts),
                async_scheduling=engine.async_scheduling,
-               call_ms=None if engine.async_scheduling else statistics.median(call_ms), step_ms=step_ms)
+               call_ms=None if engine.async_scheduling else statistics.median(call_ms), step_ms=step_ms,
+               prompt_len=prompt_len, prefill_tok_s=batch_size * prompt_len / prefill_s)
 
 
 def tp_label(mode: str, tensor_parallel_size: int) -> str:
@@ -363,11 +401,14 @@ def bench_engine(shape: str, folder: Path, mode: str, args, tensor_parallel_size
                                                                       summary.pool_bytes)
     rows = []
     try:
-        for batch_size in args.batch_sizes:
-            rows.append(bench_engine_batch(llm, shape, label, batch_size, args))
+        if args.context_len:
+            warm_prefill(llm, args)
+        for prompt_len, batch_size in cases(args):
+            rows.append(bench_engine_batch(llm, shape, label, batch_size, args, prompt_len))
             rows[-1].tensor_parallel_size = tensor_parallel_size
-            log(f"  {shape} {mode:9s} bs {batch_size:4d}{' async' if rows[-1].async_scheduling else ''}: "
-                f"{rows[-1].ms_per_step:8.3f} ms/step, host {rows[-1].host_ms:.3f} ms")
+            log(f"  {shape} {label:9s} bs {batch_size:4d} ctx {prompt_len:6d}"
+                f"{' async' if rows[-1].async_scheduling else ''}: {rows[-1].ms_per_step:8.3f} ms/step, "
+                f"host {rows[-1].host_ms:.3f} ms, prefill {rows[-1].prefill_tok_s:.0f} tok/s")
     finally:
         llm.shutdown()
         del llm, runner
@@ -461,6 +502,17 @@ def tp_ratio_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def long_context_table(rows: list[Row]) -> str:
+    """The issue-style table: per context, decode ms/token against the bandwidth floor, and prefill."""
+    lines = ["| shape | mode | bs | context | decode ms/step | floor ms | x floor | prefill tok/s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        x_floor = None if r.floor_ms is None else r.ms_per_step / r.floor_ms
+        lines.append(f"| {r.shape} | {r.mode} | {r.batch_size} | {r.prompt_len} | {r.ms_per_step:.3f} | "
+                     f"{fmt(r.floor_ms, '.3f')} | {fmt(x_floor, '.2f')} | {fmt(r.prefill_tok_s, '.0f')} |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[Row], hf: dict[str, dict[int, float]], shapes: list[str], path: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -511,6 +563,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5, help="decode steps discarded per batch size")
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed per batch size")
     parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--context-len", type=int, nargs="+", default=None,
+                        help="long-context runs: prompt lengths to decode at (each batch size at each; "
+                             "replaces --prompt-len, raises --max-model-len to fit)")
+    parser.add_argument("--max-kv-tokens", type=int, default=None,
+                        help="skip batch size x context products above this (with --context-len)")
     parser.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                         help="the engine's async_scheduling (auto: on for CUDA)")
     parser.add_argument("--max-model-len", type=int, default=1024)
@@ -542,7 +599,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.tensor_parallel_size = list(dict.fromkeys(args.tensor_parallel_size))
     if args.steps < 1 or args.warmup < 0 or min(args.batch_sizes) < 1:
         parser.error("--steps must be >= 1, --warmup >= 0, batch sizes >= 1")
-    if args.prompt_len + max_tokens_for(max(args.batch_sizes), args) > args.max_model_len:
+    args.contexts = args.context_len or [args.prompt_len]
+    if min(args.contexts) < 1:
+        parser.error("--context-len values must be >= 1")
+    if args.context_len:
+        args.prompt_len = max(args.contexts)
+        needed = max(c + max_tokens_for(b, args, c) for c, b in cases(args)) if cases(args) else 0
+        args.max_model_len = max(args.max_model_len, -(-needed // BLOCK_SIZE) * BLOCK_SIZE)
+        if not cases(args):
+            parser.error("--max-kv-tokens leaves no batch size x context to run")
+    if any(c + max_tokens_for(b, args, c) > args.max_model_len for c, b in cases(args)):
         parser.error("--prompt-len plus the steps do not fit in --max-model-len")
     return args
 
@@ -615,6 +681,10 @@ def run(argv: list[str] | None = None) -> dict:
     if len(args.tensor_parallel_size) > 1:
         print()
         print(tp_ratio_table(rows))
+    if args.context_len:
+        print(f"\nLong context (floor: weights as streamed + live KV once at {bandwidth / 1e9:.0f} GB/s; "
+              f"prefill: tokens of the batch's prompts / time to every first token)\n")
+        print(long_context_table(rows))
     return result
 
 
