@@ -223,7 +223,7 @@ def _start_server(args: argparse.Namespace):
     import subprocess
     import threading
     command = [sys.executable, "-m", "runner.cli", "serve", args.model, "--host", "127.0.0.1", "--port", "0",
-               *_server_flags(args)]
+               *(["--engine-process"] if args.engine_process else []), *_server_flags(args)]
     print("starting:", " ".join(command), flush=True)
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     found, url = threading.Event(), []
@@ -259,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--offline", action="store_true", help="also run LLM.generate and print the goal ratios")
     parser.add_argument("--single-stream-requests", type=int, default=4,
                         help="requests of the concurrency-1 phase (--offline)")
+    parser.add_argument("--engine-process", action="store_true",
+                        help="the started server runs its engine in its own process (serve --engine-process)")
     parser.add_argument("--server-timeout", type=float, default=900.0, help="seconds for a started server to be ready")
     parser.add_argument("--out", help="folder for results.json")
     add_engine_args(parser, skip=_SKIP)
