@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -234,8 +235,9 @@ class AsyncLLM:
         return self._core.info["model_path"]
 
     @property
-    def uses_process(self) -> bool:
-        return self.engine is None
+    def engine_pid(self) -> int:
+        """The engine process's id (this process's own with the engine thread)."""
+        return self._core.process.pid if self.engine is None else os.getpid()
 
     def engine_stats(self) -> dict:
         """The scheduler's counters (num_running, num_waiting, kv_cache_usage, prefix cache,

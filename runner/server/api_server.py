@@ -56,7 +56,8 @@ def serve(args: argparse.Namespace) -> int:
         engine = LLMEngine(engine_config)
         info = engine_info(engine)
     logger.info("engine ready in %.1f s (%s): %s on %s, KV cache %d blocks, CUDA graphs %s",
-                time.perf_counter() - started, "own process" if config.engine_process else "thread",
+                time.perf_counter() - started,
+                f"engine process pid {async_llm.engine_pid}" if config.engine_process else "engine thread",
                 info["architecture"], info["device"], info["num_blocks"],
                 "captured" if info["cuda_graph_ready"] else f"off (mode {info['cudagraph_mode']})")
     if not config.engine_process:
