@@ -10,7 +10,9 @@ here, and stops it afterwards. `--offline` then also runs, in this process after
 stopped (so both never share a GPU), the same requests through `LLM.generate`, and a single
 stream of `--single-stream-requests` requests (concurrency 1) against the offline batch-1 decode
 step, and prints the two goals' ratios: server / offline output tokens/s at saturation and
-server single-stream median ITL / offline batch-1 decode step.
+server single-stream median ITL / offline batch-1 decode step. `--engine-process` starts the
+server with its engine in its own process (the default: a thread of the server), so the two
+placements are compared with the same command.
 
 Random token ids are drawn from [100, 10000): inside any real vocabulary, clear of most special
 tokens. Raw per-request results and the summary go to `--out DIR` as JSON.

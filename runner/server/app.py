@@ -25,8 +25,8 @@ logger = logging.getLogger(__name__)
 
 
 def build_app(engine: AsyncLLM, model_name: str, config: ServerConfig) -> FastAPI:
-    """The app serving `engine` as `model_name`. The engine thread starts with the app (lifespan)
-    and stops with it."""
+    """The app serving `engine` as `model_name`. The engine core (thread or process) starts
+    delivering with the app (lifespan) and stops with it."""
     metrics = ServerMetrics(engine, model_name)
     engine.stats_listener = metrics.observe
     completions = ServingCompletion(engine, model_name, config)
