@@ -120,3 +120,19 @@ def test_killing_the_engine_process_fails_requests_and_health(checkpoint):
         assert caught.value.status_code == 503 and "engine" in caught.value.body["message"]
     finally:
         server.stop()
+
+
+def test_bench_serve_starts_an_engine_process_server_and_compares_offline(tmp_path):
+    """`graphrunner bench serve --engine-process --offline`: every request completes, and the
+    ratios (throughput, host CPU per token from the server's processes) are reported. The
+    benchmark's random token ids reach 10000: a vocabulary that holds them, no tokenizer."""
+    from runner.benchmarks.serve import main
+    checkpoint, _ = make_tiny_checkpoint(tmp_path / "llama", "llama_gqa", with_tokenizer=False, vocab_size=10240)
+    assert main(["--model", str(checkpoint), "--engine-process", "--offline", "--num-prompts", "4", "--input-len", "8",
+                 "--output-len", "4", "--single-stream-requests", "1", "--dtype", "float32", "--device", "cpu",
+                 "--max-model-len", "128", "--num-kv-blocks", "64", "--out", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert report["server"]["completed"] == 4 and report["server"]["output_tokens"] == 16
+    assert report["server"]["cpu_seconds"] > 0 and report["offline"]["output_tokens"] == 16
+    assert report["ratios"]["server_over_offline_tokens_per_s"] > 0
+    assert report["ratios"]["server_over_offline_cpu_per_token"] > 0
