@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 import queue
 import signal
 import threading

@@ -2,8 +2,9 @@
 
 Engine state (running / waiting requests, KV-cache usage, prefix-cache queries and hits,
 preemptions, steps by CUDA graph mode) is read when /metrics is scraped, so the step loop pays
-nothing for it (an engine process reports it with its outputs, at most every 50 ms, and when idle); per-request latencies and token counts are observed on the event loop from
-AsyncLLM's stats listener, when the caller takes an output."""
+nothing for it (an engine process reports it with its outputs, at most every 50 ms, and when
+idle); per-request latencies and token counts are observed on the event loop from AsyncLLM's
+stats listener, when the caller takes an output."""
 
 from __future__ import annotations
 
