@@ -18,3 +18,6 @@ class ServerConfig(BaseModel):
     max_waiting_requests: int | None = Field(None, ge=0)
     """A request that finds this many or more waiting (not yet running) gets 503; None: no bound."""
     uvicorn_log_level: str = "warning"
+    engine_process: bool = Field(False, description=(
+        "run the engine core in its own process (pipes to the server) instead of a thread of the server "
+        "process: the step loop then never shares the GIL with HTTP and SSE work"))

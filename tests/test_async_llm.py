@@ -5,15 +5,18 @@ step ends the requests it hit while the engine goes on serving."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
 from checkpoints import make_tiny_checkpoint
 
 from configs import EngineConfig, RequestOutputKind, SamplingParams
-from runner.async_llm import AsyncLLM, EngineLoopError
+from runner.async_llm import AsyncLLM, EngineLoopError, merge_delta
 from runner.engine import InvalidRequestError, LLMEngine
+from runner.engine_process import decode_output, encode_outputs
 from runner.llm import LLM
+from runner.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +65,11 @@ def test_outputs_equal_the_engine_in_every_kind(checkpoint, prompts):
         if kind is RequestOutputKind.DELTA:
             assert [t for o in outs for t in o.outputs[0].token_ids] == expected.token_ids
             assert [lp for o in outs for lp in o.outputs[0].logprobs] == expected.logprobs
-            assert len(outs) == len(expected.token_ids)
+            assert 0 < len(outs) <= len(expected.token_ids)  # a caller behind the engine gets merged deltas
         elif kind is RequestOutputKind.CUMULATIVE:
-            assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, len(expected.token_ids) + 1))
+            lengths = [len(o.outputs[0].token_ids) for o in outs]
+            assert lengths == sorted(set(lengths)) and lengths[-1] == len(expected.token_ids)
+            assert all(o.outputs[0].token_ids == expected.token_ids[:len(o.outputs[0].token_ids)] for o in outs)
             assert outs[-1].outputs[0].token_ids == expected.token_ids
         else:
             assert len(outs) == 1 and outs[0].outputs[0].token_ids == expected.token_ids
@@ -149,3 +154,58 @@ def test_failing_step_ends_its_requests_and_the_engine_serves_on(checkpoint, pro
 
     after, usage = _run(run())
     assert after[-1].finished and len(after[-1].outputs[0].token_ids) == 6 and usage == 0
+
+
+def test_a_slow_caller_gets_every_token_in_fewer_merged_deltas(checkpoint, prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
+    with LLM(checkpoint, dtype="float32", device="cpu", num_kv_blocks=64) as llm:
+        expected = llm.generate([prompts[1]], params, use_tqdm=False)[0].outputs[0]
+
+    async def run():
+        engine = AsyncLLM(_engine(checkpoint))
+        engine.start()
+        try:
+            outs = []
+            async for out in engine.generate(prompts[1], params.model_copy(
+                    update={"output_kind": RequestOutputKind.DELTA})):
+                outs.append(out)
+                time.sleep(0.05)  # blocks the event loop: the engine thread steps on meanwhile
+            return outs
+        finally:
+            engine.shutdown()
+
+    outs = _run(run())
+    assert [t for o in outs for t in o.outputs[0].token_ids] == expected.token_ids
+    assert [lp for o in outs for lp in o.outputs[0].logprobs] == expected.logprobs
+    assert "".join(o.outputs[0].text for o in outs) == expected.text
+    assert len(outs) < len(expected.token_ids) and outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+
+
+def test_merge_delta_joins_completions_by_index():
+    first = RequestOutput("r", None, [1], None, [CompletionOutput(0, "a", [5], -1.0, [{5: Logprob(-1.0, 1)}])], False)
+    second = RequestOutput("r", None, [1], None, [CompletionOutput(1, "x", [9]),
+                                                 CompletionOutput(0, "b", [6], -3.0, [{6: Logprob(-2.0, 1)}],
+                                                                  "length")], True, RequestMetrics(0.0), None)
+    merge_delta(first, second)
+    assert [c.index for c in first.outputs] == [0, 1] and first.finished and first.metrics == RequestMetrics(0.0)
+    assert first.outputs[0] == CompletionOutput(0, "ab", [5, 6], -3.0, [{5: Logprob(-1.0, 1)}, {6: Logprob(-2.0, 1)}],
+                                                "length")
+    assert first.outputs[1] == CompletionOutput(1, "x", [9])
+
+
+def test_engine_process_wire_format_round_trips():
+    """The prompt crosses once (first output), metrics with the last; the rest is rebuilt as sent."""
+    sent: set[str] = set()
+    outs = [RequestOutput("r", "hi", [1, 2], [None, {2: Logprob(-0.5, 1, "x")}],
+                          [CompletionOutput(0, "a", [3, 4], None, None)], False, RequestMetrics(1.0), None),
+            RequestOutput("r", "hi", [1, 2], [None, {2: Logprob(-0.5, 1, "x")}],
+                          [CompletionOutput(0, "b", [5], None, None, "stop", "b")], True, RequestMetrics(1.0, 2.0),
+                          "boom")]
+    first, last = encode_outputs([("r", outs[0])], sent), encode_outputs([("r", outs[1]), ("q", ValueError("no"))],
+                                                                         sent)
+    assert first[0][4] is not None and last[0][4] is None and not sent
+    prompt = first[0][4]
+    decoded = [decode_output(first[0], prompt), decode_output(last[0], prompt)]
+    assert decoded[0] == RequestOutput("r", "hi", [1, 2], outs[0].prompt_logprobs, outs[0].outputs, False, None)
+    assert decoded[1] == outs[1]
+    assert isinstance(last[1][1], ValueError)

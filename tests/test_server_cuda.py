@@ -1,5 +1,6 @@
 """`graphrunner serve` on a GPU: decode steps replay CUDA graphs (FULL in /metrics), greedy tokens
-equal the offline engine's, and concurrent streams complete with async scheduling on. The model
+equal the offline engine's, and concurrent streams complete with async scheduling on; with the
+engine in a thread of the server and in its own process. The model
 is a tiny random checkpoint with the one-byte-per-token test tokenizer (nothing to download)."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from server_helpers import ServerProcess, metrics
+from server_helpers import ServerProcess, metrics, wait_for
 
 from configs import SamplingParams
 
@@ -22,10 +23,12 @@ def checkpoint(tmp_path_factory):
                                     max_position_embeddings=1024)[0])
 
 
-@pytest.fixture(scope="module")
-def server(checkpoint):
+@pytest.fixture(scope="module", params=["thread", "process"])
+def server(checkpoint, request):
+    """The engine in a thread of the server, and in its own process (--engine-process)."""
+    placement = ["--engine-process"] if request.param == "process" else []
     process = ServerProcess([checkpoint, "--served-model-name", "default", "--device", "cuda",
-                             "--max-model-len", "1024", "--gpu-memory-utilization", "0.4"], timeout=600)
+                             "--max-model-len", "1024", "--gpu-memory-utilization", "0.4", *placement], timeout=600)
     yield process
     process.stop()
 
@@ -35,8 +38,8 @@ def test_gpu_server_replays_graphs_and_matches_offline(server, checkpoint):
     prompts = ["The capital of France is", "def fibonacci(n):"]
     served = [client.completions.create(model="default", prompt=p, max_tokens=24, temperature=0.0,
                                         extra_body={"return_token_ids": True}).choices[0].token_ids for p in prompts]
-    steps = metrics(server.url)
-    assert steps['graphrunner:engine_steps_total{mode="FULL",model_name="default"}'] > 0
+    full = 'graphrunner:engine_steps_total{mode="FULL",model_name="default"}'
+    assert wait_for(lambda: metrics(server.url)[full] > 0, timeout=10)  # an engine process reports when idle
 
     async def streams() -> list[int]:
         aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -55,7 +58,7 @@ def test_gpu_server_replays_graphs_and_matches_offline(server, checkpoint):
             await aclient.close()
 
     assert all(count > 0 for count in asyncio.run(streams()))
-    assert metrics(server.url)["graphrunner:kv_cache_usage_perc"] == 0.0
+    assert wait_for(lambda: metrics(server.url)["graphrunner:kv_cache_usage_perc"] == 0.0, timeout=10)
 
     server.stop()  # the offline engine gets the GPU to itself
     from runner import LLM

@@ -10,7 +10,9 @@ here, and stops it afterwards. `--offline` then also runs, in this process after
 stopped (so both never share a GPU), the same requests through `LLM.generate`, and a single
 stream of `--single-stream-requests` requests (concurrency 1) against the offline batch-1 decode
 step, and prints the two goals' ratios: server / offline output tokens/s at saturation and
-server single-stream median ITL / offline batch-1 decode step.
+server single-stream median ITL / offline batch-1 decode step. `--engine-process` starts the
+server with its engine in its own process (the default: a thread of the server), so the two
+placements are compared with the same command.
 
 Random token ids are drawn from [100, 10000): inside any real vocabulary, clear of most special
 tokens. Raw per-request results and the summary go to `--out DIR` as JSON.
@@ -24,6 +26,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -190,9 +193,9 @@ def run_offline(model: str, options: dict, requests: list[tuple[list[int], int]]
     with LLM(model, **options) as llm:
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
         llm.generate([{"prompt_token_ids": p} for p, _ in requests[:2]], params[:2], use_tqdm=False)  # warm
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         outputs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], params, use_tqdm=False)
-        seconds = time.perf_counter() - started
+        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         steps = []
         engine = llm.engine
@@ -203,8 +206,28 @@ def run_offline(model: str, options: dict, requests: list[tuple[list[int], int]]
                 started_step = time.perf_counter()
                 if engine.step():
                     steps.append(time.perf_counter() - started_step)
-    return {"seconds": seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds,
+    return {"seconds": seconds, "cpu_seconds": cpu, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds,
             "batch1_decode_step_s": percentiles(steps)}
+
+
+def server_cpu_seconds(proc) -> float | None:
+    """CPU seconds (user + system, all threads) of the started server and its child processes (the
+    engine process), from /proc; None without a started server or on a system without /proc. On a
+    shared host this is the figure that load from other processes does not distort."""
+    if proc is None:
+        return None
+    try:
+        pids = [proc.pid]
+        for pid in pids:
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            pids.extend(int(child) for child in children)
+        total = 0
+        for pid in pids:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+        return total / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _server_flags(args: argparse.Namespace) -> list[str]:
@@ -223,7 +246,7 @@ def _start_server(args: argparse.Namespace):
     import subprocess
     import threading
     command = [sys.executable, "-m", "runner.cli", "serve", args.model, "--host", "127.0.0.1", "--port", "0",
-               *_server_flags(args)]
+               *(["--engine-process"] if args.engine_process else []), *_server_flags(args)]
     print("starting:", " ".join(command), flush=True)
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     found, url = threading.Event(), []
@@ -259,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--offline", action="store_true", help="also run LLM.generate and print the goal ratios")
     parser.add_argument("--single-stream-requests", type=int, default=4,
                         help="requests of the concurrency-1 phase (--offline)")
+    parser.add_argument("--engine-process", action="store_true",
+                        help="the started server runs its engine in its own process (serve --engine-process)")
     parser.add_argument("--server-timeout", type=float, default=900.0, help="seconds for a started server to be ready")
     parser.add_argument("--out", help="folder for results.json")
     add_engine_args(parser, skip=_SKIP)
@@ -269,9 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     proc, url = (None, args.url) if args.url else _start_server(args)
     report: dict = {"args": {k: v for k, v in vars(args).items() if not k.startswith("_")}}
     try:
+        cpu = server_cpu_seconds(proc)
         results, seconds = asyncio.run(run_load(url, args.model, requests, args.request_rate, args.max_concurrency,
                                                 args.seed))
+        cpu = server_cpu_seconds(proc) - cpu if cpu is not None else None
         report["server"] = summarize(results, seconds)
+        report["server"]["cpu_seconds"] = cpu
         report["server_requests"] = [asdict(r) for r in results]
         print_summary(f"server: {len(requests)} requests, rate {args.request_rate}, "
                       f"max concurrency {args.max_concurrency}", report["server"])
@@ -292,6 +320,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== offline LLM.generate: {offline['output_tokens']} tokens in {offline['seconds']:.2f} s, "
               f"{offline['output_tokens_per_s']:.1f} output tok/s; batch-1 decode step p50 {step * 1e3:.2f} ms")
         print(f"   server/offline output tok/s: {ratio:.3f} (goal >= 0.9 at saturation on the GPU)")
+        server_cpu = report["server"]["cpu_seconds"]
+        if server_cpu is not None:
+            per_token = server_cpu / max(1, report["server"]["output_tokens"]) * 1e3
+            offline_per_token = offline["cpu_seconds"] / max(1, offline["output_tokens"]) * 1e3
+            report["ratios"]["server_over_offline_cpu_per_token"] = per_token / offline_per_token
+            print(f"   host CPU ms per output token: server {per_token:.3f} (its processes), offline "
+                  f"{offline_per_token:.3f}: {per_token / offline_per_token:.2f}x")
         print(f"   single-stream ITL p50 / batch-1 step p50: {itl / step:.3f} (goal <= 1.15)")
     if args.out:
         out = Path(args.out)

@@ -14,6 +14,7 @@ import time
 
 from configs import EngineConfig, ServerConfig
 from runner.engine_args import add_engine_args, engine_kwargs
+from runner.engine_core import warm_up
 
 logger = logging.getLogger("runner.server")
 
@@ -29,6 +30,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="answer 503 to a request that finds this many waiting (default: no bound)")
     parser.add_argument("--uvicorn-log-level", default=defaults.uvicorn_log_level,
                         help="log level of the HTTP server (uvicorn)")
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=defaults.engine_process,
+                        help=ServerConfig.model_fields["engine_process"].description)
     add_engine_args(parser)
 
 
@@ -37,21 +40,30 @@ def serve(args: argparse.Namespace) -> int:
 
     from runner.async_llm import AsyncLLM
     from runner.engine import LLMEngine
+    from runner.engine_process import engine_info
     from runner.server.app import build_app
 
     config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                          max_waiting_requests=args.max_waiting_requests, uvicorn_log_level=args.uvicorn_log_level)
+                          max_waiting_requests=args.max_waiting_requests, uvicorn_log_level=args.uvicorn_log_level,
+                          engine_process=args.engine_process)
     engine_config = EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args))
     logger.setLevel(logging.INFO)  # the start-up and ready lines show without -v
     started = time.perf_counter()
-    engine = LLMEngine(engine_config)
-    runner = engine.model_runner
-    logger.info("engine ready in %.1f s: %s on %s, KV cache %d blocks, CUDA graphs %s",
-                   time.perf_counter() - started, engine.spec.architecture, engine.device, engine.executor.num_blocks,
-                   "captured" if runner.cuda_graph_ready else f"off (mode {runner.cudagraph_mode.name})")
-    warm_up(engine)
+    if config.engine_process:
+        async_llm = AsyncLLM.from_config(engine_config, engine_process=True)  # builds and warms up there
+        info = async_llm.info
+    else:
+        engine = LLMEngine(engine_config)
+        info = engine_info(engine)
+    logger.info("engine ready in %.1f s (%s): %s on %s, KV cache %d blocks, CUDA graphs %s",
+                time.perf_counter() - started,
+                f"engine process pid {async_llm.engine_pid}" if config.engine_process else "engine thread",
+                info["architecture"], info["device"], info["num_blocks"],
+                "captured" if info["cuda_graph_ready"] else f"off (mode {info['cudagraph_mode']})")
+    if not config.engine_process:
+        warm_up(engine)
+        async_llm = AsyncLLM(engine)
     model_name = config.served_model_name or args.model
-    async_llm = AsyncLLM(engine)
     app = build_app(async_llm, model_name, config)
     sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -72,18 +84,6 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         sock.close()
     return 0
-
-
-def warm_up(engine) -> None:
-    """One short request through the engine before the socket opens, so the first client does not
-    pay for lazily built kernels and first-touch allocations; its prefix-cache entries are dropped."""
-    started = time.perf_counter()
-    from configs import SamplingParams
-    engine.add_request([0] * 8, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0), "warm-up")
-    while engine.has_unfinished_requests():
-        engine.step()
-    engine.scheduler.reset_prefix_cache()
-    logger.info("warm-up request in %.2f s; ready to serve", time.perf_counter() - started)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,8 +25,8 @@ logger = logging.getLogger(__name__)
 
 
 def build_app(engine: AsyncLLM, model_name: str, config: ServerConfig) -> FastAPI:
-    """The app serving `engine` as `model_name`. The engine thread starts with the app (lifespan)
-    and stops with it."""
+    """The app serving `engine` as `model_name`. The engine core (thread or process) starts
+    delivering with the app (lifespan) and stops with it."""
     metrics = ServerMetrics(engine, model_name)
     engine.stats_listener = metrics.observe
     completions = ServingCompletion(engine, model_name, config)
@@ -67,8 +67,8 @@ def build_app(engine: AsyncLLM, model_name: str, config: ServerConfig) -> FastAP
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "graphrunner", "root": engine.engine.model_path,
-                                            "max_model_len": engine.engine.max_model_len}]}
+                                            "owned_by": "graphrunner", "root": engine.model_path,
+                                            "max_model_len": engine.max_model_len}]}
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request):
@@ -94,7 +94,7 @@ def build_app(engine: AsyncLLM, model_name: str, config: ServerConfig) -> FastAP
     async def detokenize(body: DetokenizeRequest) -> dict:
         completions.check_model(body.model)
         completions.need_tokenizer("tokens")
-        vocab = engine.engine.spec.vocab_size
+        vocab = engine.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab})", param="tokens")
@@ -138,24 +138,14 @@ async def until_disconnected(request: Request, awaitable):
 
 
 async def guarded(request: Request, body: AsyncIterator[str]) -> AsyncIterator[str]:
-    """`body`, stopped (and closed: its requests abort) as soon as the client disconnects."""
-    watcher = asyncio.ensure_future(_disconnected(request))
+    """`body`, closed (its requests abort) when the response ends for any reason. A client that
+    disconnects is noticed by Starlette's StreamingResponse, which listens for the disconnect
+    while it streams and cancels the stream (ASGI spec 2.3, as uvicorn serves it): the
+    cancellation ends `body` at its await and its requests abort at once. Nothing here runs per
+    chunk beyond handing it on."""
     try:
-        while True:
-            step = asyncio.ensure_future(body.__anext__())
-            await asyncio.wait({step, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if not step.done():
-                step.cancel()
-                with contextlib.suppress(BaseException):
-                    await step
-                logger.info("client disconnected; request aborted")
-                return
-            try:
-                chunk = step.result()
-            except StopAsyncIteration:
-                return
+        async for chunk in body:
             yield chunk
     finally:
-        watcher.cancel()
         with contextlib.suppress(BaseException):
             await body.aclose()

@@ -2,8 +2,9 @@
 
 Engine state (running / waiting requests, KV-cache usage, prefix-cache queries and hits,
 preemptions, steps by CUDA graph mode) is read when /metrics is scraped, so the step loop pays
-nothing for it; per-request latencies and token counts are observed on the event loop from
-AsyncLLM's stats listener, with the time stamp the engine thread took after the step."""
+nothing for it (an engine process reports it with its outputs, at most every 50 ms, and when
+idle); per-request latencies and token counts are observed on the event loop from AsyncLLM's
+stats listener, when the caller takes an output."""
 
 from __future__ import annotations
 
@@ -28,8 +29,7 @@ class _EngineCollector:
         self.async_llm, self.model_name = async_llm, model_name
 
     def collect(self):
-        engine = self.async_llm.engine
-        stats = engine.scheduler.stats()
+        stats = self.async_llm.engine_stats()
         labels = ["model_name"]
         values = [self.model_name]
 
@@ -56,7 +56,7 @@ class _EngineCollector:
                       stats["num_preemptions"])
         steps = CounterMetricFamily(PREFIX + "engine_steps", "Model steps by CUDA graph runtime mode "
                                     "(FULL, PIECEWISE, NONE = eager).", labels=labels + ["mode"])
-        counts = getattr(engine.model_runner, "steps_by_mode", {})
+        counts = stats.get("steps_by_mode", {})
         for mode in ("FULL", "PIECEWISE", "NONE"):
             steps.add_metric(values + [mode], counts.get(mode, 0))
         yield steps

@@ -35,7 +35,7 @@ class OpenAIServing:
         self.model_name = model_name
         self.config = config
         self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
+        self.max_model_len = engine.max_model_len
 
     def check_model(self, model: str | None) -> None:
         """vLLM's rule: a named model must be the served one (404 otherwise); no name means it."""

@@ -24,7 +24,7 @@ class ServingCompletion(OpenAIServing):
             prompts = [(list(prompt), None)]
         else:
             prompts = [(self.encode(p, "prompt"), p) if isinstance(p, str) else (list(p), None) for p in prompt]
-        vocab = self.engine.engine.spec.vocab_size
+        vocab = self.engine.vocab_size
         for token_ids, text in prompts:
             bad = [t for t in token_ids if not 0 <= t < vocab] if text is None else []
             if bad:
@@ -116,19 +116,33 @@ class ServingCompletion(OpenAIServing):
             finally:
                 await merged.put((prompt_index, None))
 
-        tasks = [asyncio.create_task(pump(i, ids, params)) for i, (ids, _, params) in enumerate(runs)]
-        try:
-            if request.echo:
-                for i, (_, text, _) in enumerate(runs):
-                    for c in range(request.n):
-                        yield sse(json.dumps(self._chunk(request_id, created, i * request.n + c, text or "",
-                                                         None, None, None)))
+        async def direct(token_ids, params) -> AsyncIterator:
+            """One prompt (the usual case): its outputs as they come, no task or queue between."""
+            try:
+                async for out in self.stream(token_ids, params, f"{request_id}-0"):
+                    yield 0, out
+            except Exception as error:  # noqa: BLE001 - handed to the response, which reports it
+                yield 0, error
+
+        async def merged_items() -> AsyncIterator:
             remaining = len(tasks)
             while remaining:
                 prompt_index, item = await merged.get()
                 if item is None:
                     remaining -= 1
                     continue
+                yield prompt_index, item
+
+        tasks = [] if len(runs) == 1 else \
+            [asyncio.create_task(pump(i, ids, params)) for i, (ids, _, params) in enumerate(runs)]
+        items = direct(runs[0][0], runs[0][2]) if len(runs) == 1 else merged_items()
+        try:
+            if request.echo:
+                for i, (_, text, _) in enumerate(runs):
+                    for c in range(request.n):
+                        yield sse(json.dumps(self._chunk(request_id, created, i * request.n + c, text or "",
+                                                         None, None, None)))
+            async for prompt_index, item in items:
                 if isinstance(item, BaseException):
                     yield sse(json.dumps(error_body(item)))
                     continue
@@ -152,6 +166,7 @@ class ServingCompletion(OpenAIServing):
                                       "usage": usage(prompt_tokens, completion_tokens)}))
             yield sse("[DONE]")
         finally:
+            await items.aclose()
             for task in tasks:
                 task.cancel()
 
