@@ -245,9 +245,10 @@ def test_cpu_engine_vs_hf_bench_smoke(tmp_path, capsys):
     from runner.benchmarks import cpu as bench_cpu
     out = tmp_path / "cpu.json"
     assert bench_cpu.main(["--prompts", "3", "--tokens", "4", "--repeats", "1", "--warmup-runs", "0",
-                           "--lockstep-runs", "2", "--max-other-load", "1000", "--out", str(tmp_path)]) == 0
+                           "--lockstep-runs", "2", "--max-other-load", "1000", "--cpu-isa", "generic",
+                           "--out", str(tmp_path)]) == 0
     result = json.loads(out.read_text())
-    assert result["prompts"] == 3 and result["tokens"] == 4
+    assert result["prompts"] == 3 and result["tokens"] == 4 and result["cpu_isa"] == "generic"
     assert len(result["engine_runs"]) == len(result["hf_runs"]) == 1
     assert len(result["lockstep_runs"]) == 2
     assert all(e > 0 and h > 0 for e, h in result["lockstep_runs"]) and result["lockstep_ratio"] > 0
