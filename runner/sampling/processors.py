@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from configs.kernel_config import active_kernel_config
 from runner.sampling.state import SamplingStates, needs_token_state
 from runner.scheduler import ScheduledRequest
 
@@ -178,7 +179,8 @@ class LogitsProcessors:
         return x
 
     def _apply_penalties(self, x: torch.Tensor, p: _Penalties) -> torch.Tensor:
-        kernel = _penalty_kernel() if x.is_cuda and x.stride(1) == 1 else None
+        kernel = (_penalty_kernel() if x.is_cuda and x.stride(1) == 1 and active_kernel_config().triton_sampling
+                  else None)
         if kernel is not None:  # one pass over the logits (runner/sampling/penalty_kernel.py)
             kernel.apply_penalties(x, p.rows, p.slots, self.states.output_counts, self.states.prompt_mask,
                                    p.repetition, p.frequency, p.presence)

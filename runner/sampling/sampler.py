@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from configs.kernel_config import active_kernel_config
 from configs.sampling_params import SamplingParams
 from runner.sampling.processors import LogitsProcessors
 
@@ -150,7 +151,8 @@ class Sampler:
         if metadata.all_greedy:
             sampled = greedy_ids
         else:
-            kernel = _race_kernel() if logits.is_cuda and logits.stride(1) == 1 else None
+            kernel = (_race_kernel() if logits.is_cuda and logits.stride(1) == 1 and active_kernel_config().triton_sampling
+                      else None)
             if kernel is not None:  # one pass over the logits (runner/sampling/race_kernel.py)
                 threshold = self.threshold(logits, metadata)
                 sampled = kernel.race(logits, self._temperature(metadata), threshold,
