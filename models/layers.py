@@ -101,21 +101,19 @@ cold as in a decode step), packed is faster than F.linear for 4-64 rows, equal f
 slower from 128 rows (prefill), where MKL's own packing of B is amortised."""
 PACKED_MIN_ROWS = 3
 """Row counts below this take F.linear: packing buys nothing there (see PACKED_MAX_ROWS), and a pack
-costs the weight's memory again, so a one-prompt decode never builds one."""
-PACK_AFTER_USES = 2
-"""A weight is packed on its second product in the packed range, not its first: a one-off product (a
-short prompt's prefill, the profile run) would pay ~the weight's size in memory and its packing time
-for nothing; a step repeated with 3-64 rows (batched decode) packs on its second step."""
+costs the weight's memory again, so a one-prompt decode never builds one. A weight is packed on its
+first product in the packed range: packing later (say, on the second) would make a repeated product
+of the same rows compute differently the first time (last-bit differences), so the same request
+run twice in one process would not give the same logprobs."""
 _PACK_HINT_ROWS = 32
 class PerWeight:
     """A value derived from a weight tensor (an MKL pack, a bf16 copy), built by `build(weight)` on
-    its `after_uses`-th use (None before: the caller takes its plain path) and again whenever the
-    weight's storage or version changes; dropped with the weight."""
+    its first use and again whenever the weight's storage or version changes; dropped with the weight."""
 
-    def __init__(self, build, after_uses: int = 1) -> None:
-        self.build, self.after_uses = build, after_uses
+    def __init__(self, build) -> None:
+        self.build = build
         self._entries: dict[int, tuple] = {}
-        """id(weight) -> (weakref to the weight, (data_ptr, version), value, uses so far)."""
+        """id(weight) -> (weakref to the weight, (data_ptr, version), value)."""
 
     def __call__(self, weight: torch.Tensor):
         try:
@@ -124,14 +122,10 @@ class PerWeight:
             key = (weight.data_ptr(), None)
         ident = id(weight)
         entry = self._entries.get(ident)
-        uses = 1
         if entry is not None and entry[0]() is weight and entry[1] == key:
-            if entry[3] >= self.after_uses:
-                return entry[2]
-            uses = entry[3] + 1
-        value = self.build(weight) if uses >= self.after_uses else None
-        self._entries[ident] = (weakref.ref(weight, lambda _, ident=ident: self._entries.pop(ident, None)), key, value,
-                                uses)
+            return entry[2]
+        value = self.build(weight)
+        self._entries[ident] = (weakref.ref(weight, lambda _, ident=ident: self._entries.pop(ident, None)), key, value)
         return value
 
 
@@ -172,7 +166,7 @@ def _build_pack(weight: torch.Tensor):
     return pack
 
 
-_weight_pack = PerWeight(_build_pack, after_uses=PACK_AFTER_USES)
+_weight_pack = PerWeight(_build_pack)
 
 
 class WeightLoadError(ValueError):
@@ -204,7 +198,7 @@ def _copy_checked(dest: torch.Tensor, loaded) -> None:
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same names); on a CPU, fp32 inputs of PACKED_MIN_ROWS to
     PACKED_MAX_ROWS rows (batched decode steps) multiply by an MKL-packed copy of the weight, made on
-    the weight's second such product (PACK_AFTER_USES), so MKL does not repack the weight on every call. Bit-identical to F.linear from 16 rows on at the measured shapes; the
+    the weight's first such product, so MKL does not repack the weight on every call. Bit-identical to F.linear from 16 rows on at the measured shapes; the
     same sum in another order (last-bit differences) below that.
 
     `weight_loader(param, loaded, shard_id)` places a checkpoint tensor into one of its
