@@ -183,7 +183,7 @@ def load_safetensors(model: CausalLM, folder: Path, check_finite: bool = True) -
         if not file.is_file():
             raise CheckpointError(f"checkpoint file {str(file)!r} named in the index does not exist")
         present = set(read_safetensors_header(file))
-        with _open(file) as handle:
+        with _open(file):   # safetensors' own check of the file, before any copy
             for name in names:
                 target = _target(model, name)
                 if target is None:
