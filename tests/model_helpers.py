@@ -47,3 +47,17 @@ def mixed_step_tokens(engine, mixed: list[list[int]], params) -> list[list[int]]
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
     return [done["m0"], done["m1"], done["m2"]]
+
+
+def generated_tokens(llm, prompts, params) -> list[list[int]]:
+    """The token ids of each prompt's first completion, in order."""
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def process_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

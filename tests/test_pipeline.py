@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from checkpoints import hf_greedy_generate, make_tiny_checkpoint
+from model_helpers import generated_tokens, process_alive
 from configs import SamplingParams
 from runner import LLM
 from runner.engine import EngineDeadError
@@ -54,18 +55,6 @@ def _prompts(seed: int) -> list[list[int]]:
     return [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 41, 1, 17, 70, 9)]
 
 
-def _tokens(llm, prompts, params=GREEDY):
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def untied(tmp_path_factory):
     path, hf = make_tiny_checkpoint(tmp_path_factory.mktemp("pp") / "llama", "llama_gqa", num_hidden_layers=4,
@@ -87,7 +76,7 @@ def tied(tmp_path_factory):
 def _pp1_reference(path, prompts, expected):
     """PP=1 on the same checkpoint: greedy tokens, and seeded-sampling tokens and logprobs."""
     with LLM(model=str(path), **CPU) as llm:
-        assert _tokens(llm, prompts) == expected
+        assert generated_tokens(llm, prompts, GREEDY) == expected
         seeded = llm.generate(prompts[:3], SEEDED, use_tqdm=False)
     return [o.outputs[0].token_ids for o in seeded], [o.outputs[0].logprobs for o in seeded]
 
@@ -139,13 +128,13 @@ def test_pipeline_matches_pp1_and_hf_and_shuts_down_cleanly(request, checkpoint,
             assert executor.layer_ranges == split_layers(4, pp, layer_split)
             assert llm.engine.model_runner.layer_range == executor.layer_ranges[0]
             # Mixed steps: a 32-token budget chunks the 41- and 70-token prompts next to decodes.
-            assert _tokens(llm, prompts) == expected
+            assert generated_tokens(llm, prompts, GREEDY) == expected
             seeded = llm.generate(prompts[:3], SEEDED, use_tqdm=False)  # generators live on the last rank
             assert [o.outputs[0].token_ids for o in seeded] == seeded_tokens
             assert [o.outputs[0].logprobs for o in seeded] == seeded_logprobs
-            assert _tokens(llm, prompts[:2]) == expected[:2]  # again, after finished ids went round
+            assert generated_tokens(llm, prompts[:2], GREEDY) == expected[:2]  # again, after finished ids went round
         assert multiprocessing.active_children() == []
-        assert not any(_alive(pid) for pid in pids.values())
+        assert not any(process_alive(pid) for pid in pids.values())
         assert [p.exitcode for p in executor._state.workers.processes.values()] == [0] * (pp - 1)  # "stop"
         llm.shutdown()  # twice is fine
         with pytest.raises(RuntimeError, match="shut down"):
@@ -167,14 +156,14 @@ def test_killed_worker_is_an_error_naming_the_rank(untied):
     with hang_guard(120):
         llm = LLM(model=str(path), pipeline_parallel_size=3, **CPU)
         pids = llm.engine.executor.worker_pids
-        assert _tokens(llm, prompts[:2]) == expected[:2]
+        assert generated_tokens(llm, prompts[:2], GREEDY) == expected[:2]
         os.kill(pids[1], signal.SIGKILL)  # between generate() calls, the middle rank
         started = time.monotonic()
         outs = llm.generate(prompts[:2], GREEDY, use_tqdm=False)  # the engine dies: each request says why
         _assert_failed(outs, r"WorkerError: worker rank 1 \(pp stage 1, tp rank 0\) died: pid \d+, exit code -9, SIGKILL")
         assert time.monotonic() - started < 30
         assert multiprocessing.active_children() == []  # the survivor was stopped at once
-        assert not any(_alive(pid) for pid in pids.values())
+        assert not any(process_alive(pid) for pid in pids.values())
         with pytest.raises(WorkerError, match=r"the distributed executor is down: worker rank 1 \(pp stage 1"):
             llm.engine.executor.execute(SchedulerOutput([], 0, [], ["0"]))
         with pytest.raises(EngineDeadError, match="rank 1"):  # later calls: one clear error at once
@@ -303,9 +292,9 @@ def test_exit_without_shutdown_stops_the_workers(untied, tmp_path):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["tokens"] == expected[0]
     deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in result["pids"]) and time.monotonic() < deadline:
+    while any(process_alive(pid) for pid in result["pids"]) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(pid) for pid in result["pids"])
+    assert not any(process_alive(pid) for pid in result["pids"])
 
 
 def test_workers_exit_when_rank0_is_killed(untied, tmp_path):
@@ -323,9 +312,9 @@ def test_workers_exit_when_rank0_is_killed(untied, tmp_path):
     pids = [int(pid) for pid in done.stdout.split()]
     assert len(pids) == 2
     deadline = time.monotonic() + 15
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(process_alive(pid) for pid in pids)
 
 
 def test_torchrun_external_launcher(untied, tmp_path):
@@ -365,11 +354,11 @@ def test_cuda_pipeline_matches_pp1_in_every_graph_mode(tmp_path, mode):
     options = dict(device="cuda", dtype="float32", cudagraph_mode=mode, cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32],
                    max_num_seqs=16, max_num_batched_tokens=64, num_kv_blocks=256, debug_cudagraph_addresses=True)
     with LLM(model=str(path), **options) as llm:
-        single = _tokens(llm, prompts) + _tokens(llm, prompts[:3])
+        single = generated_tokens(llm, prompts, GREEDY) + generated_tokens(llm, prompts[:3], GREEDY)
     with hang_guard(300), LLM(model=str(path), pipeline_parallel_size=2, **options) as llm:
         runner = llm.engine.model_runner
         assert runner.cuda_graph_ready == (mode != "NONE")
-        piped = _tokens(llm, prompts) + _tokens(llm, prompts[:3])
+        piped = generated_tokens(llm, prompts, GREEDY) + generated_tokens(llm, prompts[:3], GREEDY)
         wrappers = [w for w in (runner.full, runner.piecewise) if w is not None]
         if mode != "NONE":
             assert sum(w.num_replays for w in wrappers) > 0  # rank 0 replayed; the others decide alike

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from checkpoints import hf_greedy_generate, make_tiny_checkpoint
+from model_helpers import generated_tokens, process_alive
 from tp_consensus_rank import consensus_rank
 from configs import CUDAGraphMode, EngineConfig, SamplingParams
 from runner import LLM
@@ -48,18 +49,6 @@ MQA_ODD_VOCAB = dict(num_key_value_heads=1, vocab_size=255)
 def _prompts(seed: int, vocab: int = 255) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 41, 1, 17)]
-
-
-def _tokens(llm, prompts, params=GREEDY):
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -296,13 +285,13 @@ def test_replicated_model_runs_every_step_on_every_rank(mqa, replicated, tp, pp)
         runner = llm.engine.model_runner
         assert (runner.tp_rank, runner.tp_size, runner.model.num_local_kv_heads) == (0, tp, 1)
         assert runner.kv_caches[0].shape[3] == 1
-        assert _tokens(llm, prompts) == expected
+        assert generated_tokens(llm, prompts, GREEDY) == expected
         with pytest.raises(RuntimeError, match="a tensor-parallel engine .* is alive in this process"):
             LLM(model=str(path), **CPU)
         # Prompt logprobs and sample logprobs: every TP rank computes the same logits (collectives), rank 0 samples.
         parallel = llm.generate(prompts[:2], LOGPROBS, use_tqdm=False)
     assert multiprocessing.active_children() == []
-    assert not any(_alive(pid) for pid in pids.values())
+    assert not any(process_alive(pid) for pid in pids.values())
     steps = _step_logs(replicated)   # before the TP=1 engine below logs its own steps
     with LLM(model=str(path), **CPU) as llm:   # the TP group was reset at shutdown
         single = llm.generate(prompts[:2], LOGPROBS, use_tqdm=False)
@@ -336,9 +325,9 @@ def test_tp2_matches_tp1_and_hf(tmp_path, family, overrides):
     prompts = _prompts(2, vocab)
     expected = hf_greedy_generate(hf, prompts, GREEDY.max_tokens, ignore_eos=True)
     with LLM(model=str(path), **CPU) as llm:
-        single = _tokens(llm, prompts)
+        single = generated_tokens(llm, prompts, GREEDY)
     with LLM(model=str(path), tensor_parallel_size=2, **CPU) as llm:
-        parallel = _tokens(llm, prompts)
+        parallel = generated_tokens(llm, prompts, GREEDY)
     assert single == expected
     assert parallel == expected
     assert multiprocessing.active_children() == []
@@ -348,11 +337,11 @@ def test_tp2_matches_tp1_and_hf(tmp_path, family, overrides):
 def test_tp2_pp2_matches_tp1_and_hf(mqa):
     path, prompts, expected = mqa
     with LLM(model=str(path), tensor_parallel_size=2, pipeline_parallel_size=2, **CPU) as llm:
-        assert _tokens(llm, prompts) == expected
+        assert generated_tokens(llm, prompts, GREEDY) == expected
         seeded = SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=6, ignore_eos=True)
-        parallel_seeded = _tokens(llm, prompts[:2], seeded)
+        parallel_seeded = generated_tokens(llm, prompts[:2], seeded)
     with LLM(model=str(path), **CPU) as llm:
-        assert _tokens(llm, prompts[:2], seeded) == parallel_seeded
+        assert generated_tokens(llm, prompts[:2], seeded) == parallel_seeded
     assert multiprocessing.active_children() == []
 
 
@@ -399,7 +388,7 @@ def test_killed_tp_rank_is_an_error_naming_it(mqa):
     path, prompts, expected = mqa
     llm = LLM(model=str(path), tensor_parallel_size=2, **CPU)
     pid = llm.engine.executor.worker_pids[1]
-    assert _tokens(llm, prompts[:1]) == expected[:1]
+    assert generated_tokens(llm, prompts[:1], GREEDY) == expected[:1]
     os.kill(pid, signal.SIGKILL)
     started = time.monotonic()
     outs = llm.generate(prompts[:2], GREEDY, use_tqdm=False)
@@ -408,7 +397,7 @@ def test_killed_tp_rank_is_an_error_naming_it(mqa):
     with pytest.raises(EngineDeadError, match=r"rank 1 \(pp stage 0, tp rank 1\)"):
         llm.generate(prompts[:1], GREEDY, use_tqdm=False)
     llm.shutdown()
-    assert multiprocessing.active_children() == [] and not _alive(pid)
+    assert multiprocessing.active_children() == [] and not process_alive(pid)
 
 
 @pytest.mark.slow
@@ -445,11 +434,11 @@ def test_multigpu_tp2_matches_tp1_in_graph_modes(tmp_path, mode):
     options = dict(device="cuda", dtype="float32", cudagraph_mode=mode, cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32],
                    max_num_seqs=16, max_num_batched_tokens=64, num_kv_blocks=256, debug_cudagraph_addresses=True)
     with LLM(model=str(path), **options) as llm:
-        single = _tokens(llm, prompts) + _tokens(llm, prompts[:3])
+        single = generated_tokens(llm, prompts, GREEDY) + generated_tokens(llm, prompts[:3], GREEDY)
     with LLM(model=str(path), tensor_parallel_size=2, **options) as llm:
         runner = llm.engine.model_runner
         assert runner.cuda_graph_ready and runner.model.num_local_kv_heads == 1
-        parallel = _tokens(llm, prompts) + _tokens(llm, prompts[:3])
+        parallel = generated_tokens(llm, prompts, GREEDY) + generated_tokens(llm, prompts[:3], GREEDY)
         assert sum(w.num_replays for w in (runner.full, runner.piecewise) if w is not None) > 0
         assert runner.steps_by_mode["FULL"] > 0
     assert parallel == single
