@@ -11,7 +11,13 @@
 #   decode-hf   decode latency per mode at batch 1-128 for the three shapes against HF transformers
 #               eager and the memory floor, with the plot (docs/plots/decode_h100.png)
 #   attention   decode attention bandwidth against a device-to-device copy
-#   throughput  offline throughput, nano-vllm's recipe (Qwen3-0.6B shape)
+#   throughput  offline throughput, nano-vllm's recipe (Qwen3-0.6B shape), against its bandwidth bound
+#               (with OLD_TREE=DIR also that tree's throughput, in the same run)
+#   features    the sampling stage at batch 1/32/256 (torch path, then the Triton draw and penalty
+#               kernels), structured output's cost at batch 32, and the OpenAI server against offline
+#               generation with the engine in a thread and in its own process (Llama-3.2-1B shape)
+#   startup     LLM(...) to ready with empty then warm caches (Llama-3.2-1B, Qwen3-0.6B shapes), and
+#               weight loading to the GPU against reading the file
 #   capture     start-up: capture of the default sizes cold then warm, graph memory estimate vs
 #               actual, 256 requests served at gpu_memory_utilization 0.95
 #   replay      PIECEWISE replay variants (step graph vs the Python layer loop) in one process
@@ -40,7 +46,7 @@ if [[ " ${STAGES[*]} " == *" all "* ]]; then
 fi
 for stage in "${STAGES[@]}"; do
   case $stage in
-    tests|bench|decode-hf|attention|throughput|capture|replay|addresses|profile|pp) ;;
+    tests|bench|decode-hf|attention|throughput|features|startup|capture|replay|addresses|profile|pp) ;;
     *) echo "unknown stage '$stage' (see bash scripts/gpu_suite.sh --help)" >&2; exit 2 ;;
   esac
 done
@@ -88,7 +94,8 @@ export OLD_TREE=${OLD_TREE:-} SITE
 for stage in "${STAGES[@]}"; do
   case $stage in
     tests)
-      step cuda-tests 330 python3 -m pytest -q -p no:cacheprovider -m cuda -rA tests --deselect tests/test_pipeline.py
+      step cuda-tests 540 python3 -m pytest -q -p no:cacheprovider -m cuda -rA --timeout 180 tests \
+        --deselect tests/test_pipeline.py
       step triton-gpu-kernels 240 python3 -m pytest -q -p no:cacheprovider -m "not cuda" tests/test_triton_kernels.py \
         tests/test_fused_kernels.py tests/test_small_batch_kernels.py tests/test_greedy_argmax.py
       ;;
@@ -110,7 +117,32 @@ for stage in "${STAGES[@]}"; do
         --out "$OUT_DIR/decode-hf"
       ;;
     attention) step attention 90 "${BENCH[@]}" attention --out "$OUT_DIR/attention" ;;
-    throughput) step throughput 150 "${BENCH[@]}" throughput --out "$OUT_DIR/throughput" ;;
+    throughput)
+      step throughput 150 "${BENCH[@]}" throughput --out "$OUT_DIR/throughput"
+      if [[ -n $OLD_TREE ]]; then
+        step old-throughput 150 env -C "$OLD_TREE" PYTHONPATH="$OLD_TREE${SITE:+:$SITE}" python3 -m runner.cli bench \
+          throughput --out "$OUT_DIR/old-throughput"
+      fi
+      ;;
+    features)
+      # A model folder of the Llama-3.2-1B shape with a real tokenizer (SmolLM2's, carried in TOKENIZER_DIR).
+      tok=${TOKENIZER_DIR:-.diag/tok}
+      served=$OUT_DIR/llama-3.2-1b-dummy
+      python3 -c "import sys; from runner.benchmarks.model_shapes import write_config; write_config('llama-3.2-1b', sys.argv[1])" \
+        "$served" && cp "$tok"/tokenizer* "$served"/
+      step sampler 120 "${BENCH[@]}" sampler --device cuda --step-ms 1.434 --out "$OUT_DIR/sampler"
+      step sampler-triton 120 env GRAPHRUNNER_TRITON_SAMPLING=1 "${BENCH[@]}" sampler --device cuda --step-ms 1.434 \
+        --out "$OUT_DIR/sampler-triton"
+      step structured 200 "${BENCH[@]}" structured --shape llama-3.2-1b --batch 32 --steps 128 --tokenizer "$tok" \
+        --out "$OUT_DIR/structured"
+      serve=(serve --model "$served" --load-format dummy --num-prompts 256 --input-len 256 --output-len 128 --offline)
+      step serve-thread 240 "${BENCH[@]}" "${serve[@]}" --out "$OUT_DIR/serve-thread"
+      step serve-process 240 "${BENCH[@]}" "${serve[@]}" --engine-process --out "$OUT_DIR/serve-process"
+      ;;
+    startup)
+      step startup 300 "${BENCH[@]}" startup --no-cpu --out "$OUT_DIR/startup"
+      step load 120 "${BENCH[@]}" load --device cuda --no-embedded --num-layers 16 --out "$OUT_DIR/load"
+      ;;
     capture)
       step capture 150 "${BENCH[@]}" capture --cold --modes FULL_AND_PIECEWISE FULL_AND_PIECEWISE PIECEWISE \
         --gpu-memory-utilization 0.95 --serve 256 --out "$OUT_DIR/capture"

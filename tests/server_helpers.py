@@ -40,8 +40,9 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while not found.wait(0.5):
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                log = self.tail()
                 self.stop()
-                raise RuntimeError(f"the server did not start: {self.tail()}")
+                raise RuntimeError(f"the server did not start: {log}")
         self.wait_healthy(deadline)
 
     def wait_healthy(self, deadline: float) -> None:
@@ -53,7 +54,9 @@ class ServerProcess:
             except OSError:
                 pass
             time.sleep(0.2)
-        raise RuntimeError(f"/health did not answer 200: {self.tail()}")
+        log = self.tail()
+        self.stop()
+        raise RuntimeError(f"/health did not answer 200: {log}")
 
     def tail(self) -> str:
         self.log.flush()

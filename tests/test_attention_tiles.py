@@ -134,3 +134,22 @@ def test_split_scratch_is_one_persistent_buffer(monkeypatch):
     assert s.data_ptr() - m.data_ptr() >= ua.SPLIT_ROWS * 4 * 4, "max and sum rows do not overlap"
     grown = ua.split_scratch(device, ua.SPLIT_ROWS * 8, 16, num_q_heads=4)
     assert grown[0].data_ptr() != acc.data_ptr() and len(ua._retired_scratch) == 1
+
+
+
+def test_graph_style_launches_pick_the_captures_merge(kernel_switches):
+    """KernelConfig.fused_merge auto: an eager launch (it knows the step's max_seq_len) merges in the
+    kernel; a FULL-mode launch (no max_seq_len) takes the separate merge kernel even outside a
+    capture, so the start-up's forwards that queue the captures' compiles (launch/compile_ahead.py)
+    queue the variants the FULL graphs launch."""
+    kernel_switches(fused_merge=None)
+    device = torch.device(DEVICE)
+    assert ua._merge_tickets(device, 8, eager=False) is None
+    assert ua._merge_tickets(device, 8, eager=True) is not None
+    b = make_batch([1, 1], [3 * ua.launch_config(device)["BLOCK_N"] + 5, 7], num_q_heads=4, num_kv_heads=1,
+                   head_dim=16, block_size=16, pad_tokens=0, pad_reqs=0, seed=35)
+    graph_style = ua._plan(b.query, b.kv_cache, torch.empty_like(b.query), b.query_start_loc, b.seq_lens,
+                           b.block_table, b.scale, 4, None)
+    eager = ua._plan(b.query, b.kv_cache, torch.empty_like(b.query), b.query_start_loc, b.seq_lens,
+                     b.block_table, b.scale, 4, 200)
+    assert graph_style.merge is not None and eager.merge is None

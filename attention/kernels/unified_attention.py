@@ -346,15 +346,18 @@ MERGE_TICKETS = 1 << 16
 _tickets: dict[torch.device, torch.Tensor] = {}
 
 
-def _merge_tickets(device: torch.device, needed: int) -> torch.Tensor | None:
+def _merge_tickets(device: torch.device, needed: int, eager: bool = True) -> torch.Tensor | None:
     """The device's ticket counters (zero between launches: the last arrival resets its own), or
-    None for the separate merge kernel: KernelConfig.fused_merge off (or auto inside a CUDA graph
-    capture), too many programs, or no buffer yet while a graph is being captured (one made there
-    would live in the graph's pool). Made at the first call outside a capture; the engine's warm-up
-    runs eagerly before any capture."""
+    None for the separate merge kernel: KernelConfig.fused_merge off (or auto for a launch made
+    for a graph: inside a CUDA graph capture, or not `eager`), too many programs, or no buffer yet
+    while a graph is being captured (one made there would live in the graph's pool). Made at the
+    first call outside a capture; the engine's warm-up runs eagerly before any capture.
+    `eager`: the caller gave the step's max_seq_len, as eager calls do; a FULL-mode call does not,
+    captured or not (the start-up's forwards that queue the compiles of the captures,
+    launch/compile_ahead.py, must pick the variants the graphs will launch)."""
     fused = active_kernel_config().fused_merge
-    if fused is None:   # auto: the merge kernel inside a graph, the in-kernel merge in an eager launch
-        fused = not _capturing(device)
+    if fused is None:   # auto: the merge kernel for a graph, the in-kernel merge in an eager launch
+        fused = eager and not _capturing(device)
     if not fused or needed > MERGE_TICKETS:
         return None
     tickets = _tickets.get(device)
@@ -548,7 +551,7 @@ def _plan(query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, query_
     grid = (q_blocks, num_kv_heads, num_splits)
     # The in-kernel merge holds a [BLOCK_M, D] accumulator per split: for the prefill tiles' 128
     # rows that is too many registers, so their (rare) splits always take the merge kernel.
-    tickets = None if prefill_tiles else _merge_tickets(device, grid[0] * num_kv_heads)
+    tickets = None if prefill_tiles else _merge_tickets(device, grid[0] * num_kv_heads, max_seq_len is not None)
     fused_merge = num_splits > 1 and tickets is not None
     if num_splits > 1:
         part_acc, part_max, part_sum = split_scratch(device, num_tokens * num_q_heads * num_splits, d_pad, num_q_heads)

@@ -1,7 +1,7 @@
 """Start-up: process start to first token (and to N tokens), engine vs HF transformers, side by side.
 
     graphrunner bench startup [--model default] [--tokens 1 8] [--repeats 3] [--threads N]
-                              [--gpu-shapes llama-3.2-1b qwen3-0.6b] [--smoke] [--out DIR]
+                              [--gpu-shapes llama-3.2-1b qwen3-0.6b] [--no-cpu] [--smoke] [--out DIR]
 
 CPU, each in a fresh subprocess, alternating (engine, HF, engine, HF, ...) `--repeats` times per
 token count: (a) `graphrunner generate --model PATH --chat --max-tokens N` (`python -m runner.cli`,
@@ -19,7 +19,8 @@ GPU (when torch sees one, and `--gpu-shapes` is not empty): `LLM(model=<shape fo
 load_format="dummy")` to ready, in a fresh subprocess, for each shape of
 runner/benchmarks/model_shapes.py: once with every cache folder empty (KernelConfig.cache_dir, where
 Triton's and the native builds' caches live, set to a new temporary folder) and then twice with
-the caches that run filled (warm). The seconds printed come from the child's own clock
+the caches that run filled (warm). `--no-cpu` leaves the CPU comparison out (a GPU machine
+without the embedded checkpoint). The seconds printed come from the child's own clock
 around `LLM(...)` plus the engine's start-up breakdown (load, profile, KV cache, compile, capture).
 
 `--smoke`: a tiny random Llama (SmolLM2's tokenizer and vocabulary, 2 layers of width 64) written
@@ -198,17 +199,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads on both sides (default: torch's)")
     parser.add_argument("--gpu-shapes", nargs="*", default=["llama-3.2-1b", "qwen3-0.6b"],
                         help="model shapes timed LLM(...) to ready on a GPU (none: skip)")
+    parser.add_argument("--no-cpu", action="store_true", help="skip the CPU comparison with HF (GPU rows only)")
     parser.add_argument("--smoke", action="store_true", help="tiny random checkpoint, 1 token, 1 repeat (tests)")
     add_out_argument(parser)
     args = parser.parse_args(argv)
-    from models.embedded import ensure_smollm2
     with tempfile.TemporaryDirectory(prefix="graphrunner-startup-") as scratch:
-        path = str(ensure_smollm2()) if args.model == "default" else args.model
-        if args.smoke:
-            path = str(write_smoke_checkpoint(Path(scratch) / "tiny-llama", path))
-            args.tokens, args.repeats, args.gpu_shapes = [1], 1, []
-        rows = cpu_rows(path, args.tokens, args.repeats, args.threads)
-        print_cpu(rows)
+        rows = []
+        if not args.no_cpu:
+            from models.embedded import ensure_smollm2
+            path = str(ensure_smollm2()) if args.model == "default" else args.model
+            if args.smoke:
+                path = str(write_smoke_checkpoint(Path(scratch) / "tiny-llama", path))
+                args.tokens, args.repeats, args.gpu_shapes = [1], 1, []
+            rows = cpu_rows(path, args.tokens, args.repeats, args.threads)
+            print_cpu(rows)
         result = {"model": args.model, "smoke": args.smoke, "threads": args.threads, "repeats": args.repeats,
                   "cpu": rows, "cpus": os.cpu_count()}
         import torch
