@@ -59,7 +59,7 @@ if ! python3 -c "import pydantic" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/n
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && SITE=/tmp/site
 fi
-export PYTHONPATH=$PWD${SITE:+:$SITE} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export PYTHONPATH=$PWD${SITE:+:$SITE}${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 unset TRITON_INTERPRET
 LOG=$OUT_DIR/suite.log
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
