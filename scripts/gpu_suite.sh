@@ -83,9 +83,9 @@ old_decode() {  # old_decode OUTDIR ARGS...: OLD_TREE's decode benchmark (instal
   local out=$1; shift
   mkdir -p "$out"
   if [[ -f $OLD_TREE/runner/benchmarks/decode.py ]]; then
-    env -C "$OLD_TREE" PYTHONPATH="$OLD_TREE${SITE:+:$SITE}" python3 -m runner.cli bench decode "$@" --out "$out"
+    env -C "$OLD_TREE" PYTHONPATH="$OLD_TREE:$PYTHONPATH" python3 -m runner.cli bench decode "$@" --out "$out"
   else
-    PYTHONPATH="$OLD_TREE${SITE:+:$SITE}" python3 "$OLD_TREE/scripts/bench_decode.py" "$@" --json "$out/decode.json"
+    PYTHONPATH="$OLD_TREE:$PYTHONPATH" python3 "$OLD_TREE/scripts/bench_decode.py" "$@" --json "$out/decode.json"
   fi
 }
 export -f old_decode
@@ -120,7 +120,7 @@ for stage in "${STAGES[@]}"; do
     throughput)
       step throughput 150 "${BENCH[@]}" throughput --out "$OUT_DIR/throughput"
       if [[ -n $OLD_TREE ]]; then
-        step old-throughput 150 env -C "$OLD_TREE" PYTHONPATH="$OLD_TREE${SITE:+:$SITE}" python3 -m runner.cli bench \
+        step old-throughput 150 env -C "$OLD_TREE" PYTHONPATH="$OLD_TREE:$PYTHONPATH" python3 -m runner.cli bench \
           throughput --out "$OUT_DIR/old-throughput"
       fi
       ;;

@@ -19,7 +19,8 @@ GPU (when torch sees one, and `--gpu-shapes` is not empty): `LLM(model=<shape fo
 load_format="dummy")` to ready, in a fresh subprocess, for each shape of
 runner/benchmarks/model_shapes.py: once with every cache folder empty (KernelConfig.cache_dir, where
 Triton's and the native builds' caches live, set to a new temporary folder) and then twice with
-the caches that run filled (warm). `--no-cpu` leaves the CPU comparison out (a GPU machine
+the caches that run filled (warm), after one untimed run that fills Python's bytecode cache (see
+`gpu_rows`). `--no-cpu` leaves the CPU comparison out (a GPU machine
 without the embedded checkpoint). The seconds printed come from the child's own clock
 around `LLM(...)` plus the engine's start-up breakdown (load, profile, KV cache, compile, capture).
 
@@ -73,11 +74,11 @@ print("RESULT " + json.dumps({"import_s": imported - started, "llm_to_ready_s": 
 """
 
 
-def run_child(argv: list[str], timeout: float = 900) -> dict:
+def run_child(argv: list[str], timeout: float = 900, env: dict | None = None) -> dict:
     """Run `argv` to its end; its wall seconds from spawn to exit, peak RSS (MiB, its ru_maxrss) and output."""
     started = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out:
-        child = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, text=True)
+        child = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
         deadline = started + timeout
         while True:
             pid, status, usage = os.wait4(child.pid, os.WNOHANG)
@@ -137,13 +138,22 @@ def cpu_rows(path: str, token_counts: list[int], repeats: int, threads: int | No
 
 
 def gpu_rows(shapes: list[str], folder: Path) -> list[dict]:
+    """Each shape: an untimed run first (its own throwaway kernel cache) so that Python's bytecode
+    cache holds every module the start-up imports, as in an installed environment: children write
+    their bytecode under one PYTHONPYCACHEPREFIX (where site-packages has no bytecode and is read-only,
+    every process would otherwise compile the sources of torch and transformers again, seconds of
+    every row). Then the rows: empty kernel caches, then warm ones."""
     from runner.benchmarks.model_shapes import write_config
     rows = []
+    env = dict(os.environ)
+    env.setdefault("PYTHONPYCACHEPREFIX", str(folder / "pycache"))
     for shape in shapes:
         path = write_config(shape, folder / shape)
+        with tempfile.TemporaryDirectory(prefix="graphrunner-bytecode-") as throwaway:
+            run_child([sys.executable, "-c", GPU_SCRIPT, str(path), throwaway], env=env)
         with tempfile.TemporaryDirectory(prefix="graphrunner-cold-") as cache:
             for label in ("empty caches", "warm caches", "warm caches"):
-                result = run_child([sys.executable, "-c", GPU_SCRIPT, str(path), cache])
+                result = run_child([sys.executable, "-c", GPU_SCRIPT, str(path), cache], env=env)
                 line = next(line for line in result["output"].splitlines() if line.startswith("RESULT "))
                 rows.append({"shape": shape, "caches": label, **json.loads(line[len("RESULT "):]),
                              "process_s": result["seconds"], "peak_rss_mib": result["peak_rss_mib"]})
