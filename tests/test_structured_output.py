@@ -276,9 +276,11 @@ def test_async_scheduling_gives_the_synchronous_outputs(llm):
     assert got == expected
 
 
-def test_benchmark_cpu_smoke(tmp_path):
+def test_benchmark_cpu_smoke(tmp_path, capsys):
     from runner.benchmarks.structured import main
-    assert main(["--out", str(tmp_path), "--cpu-small"]) == 0
+    assert main(["--out", str(tmp_path), "--cpu-small", "--host-profile"]) == 0
+    printed = capsys.readouterr().out
+    assert "host profile of one structured run" in printed and "token_bitmask" in printed
     result = json.loads((tmp_path / "structured.json").read_text())
     summary = result["summary"]
     assert summary["free_decode_tok_s"] > 0 and summary["structured_decode_tok_s"] > 0

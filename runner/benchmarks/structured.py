@@ -23,7 +23,8 @@ argmax of the masked logits instead of the graph's greedy tokens, and the matche
 
 The tokenizer defaults to the embedded SmolLM2's (a dummy checkpoint has none); with a larger
 model vocabulary the bitmask covers the model's vocabulary and ids past the tokenizer's are
-never allowed. Raw per-step times go to DIR/structured.json.
+never allowed. Raw per-step times go to DIR/structured.json. `--host-profile` then prints the host
+functions of one more constrained run (cProfile), to see what the step's host chain spends.
 """
 
 from __future__ import annotations
@@ -89,6 +90,23 @@ def _run(engine, prompts, params) -> dict:
             "median_step_ms": 1e3 * statistics.median(step_seconds[skip:]) if len(step_seconds) > skip else 0.0}
 
 
+def _print_host_profile(run, top: int = 15) -> None:
+    """The host functions of one constrained run, by own time (cProfile; it inflates every Python
+    call, so compare the rows with each other, not with the unprofiled step time)."""
+    import cProfile
+    import io
+    import pstats
+    profiler = cProfile.Profile()
+    profiler.enable()
+    result = run()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    steps = len(result["step_seconds"])
+    print(f"host profile of one structured run ({steps} steps), top {top} by own time:")
+    print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[-4000:])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="graphrunner bench structured", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -105,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--repeats", type=int, default=2, help="alternating free/structured runs; best of each")
     parser.add_argument("--cpu-small", action="store_true", help="CPU smoke: 2 layers, batch 4, 8 steps, fp32")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="after the timed runs, one more structured run under cProfile: its top functions")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     if args.cpu_small:
@@ -153,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.repeats):
                 runs["free"].append(_run(engine, prompts, free))
                 runs["structured"].append(_run(engine, prompts, constrained))
+            if args.host_profile:
+                _print_host_profile(lambda: _run(engine, prompts, constrained))
             device = engine.device
             device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
             async_scheduling = engine.async_scheduling
