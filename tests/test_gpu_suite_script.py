@@ -5,12 +5,17 @@ raw output under --out and ends with the table of steps."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 SUITE = Path(__file__).resolve().parent.parent / "scripts" / "gpu_suite.sh"
-STAGES = {"tests", "bench", "decode-hf", "attention", "throughput", "capture", "replay", "addresses", "profile", "pp"}
+ENV = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+"""The suite runs `python3`: the environment's of this test run (a project .venv need not be active)."""
+STAGES = {"tests", "bench", "decode-hf", "attention", "throughput", "features", "startup", "capture", "replay", "addresses",
+          "profile", "pp"}
 
 
 def test_stages_are_the_documented_ones():
@@ -30,7 +35,7 @@ def test_unknown_stage_is_refused(tmp_path):
 
 def test_addresses_stage_writes_under_out_and_prints_the_step_table(tmp_path):
     done = subprocess.run(["bash", str(SUITE), "--out", str(tmp_path), "addresses"], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env=ENV)
     assert done.returncode == 0, done.stderr[-2000:]
     assert re.search(r"\| addresses +\| 0 +\|", done.stdout.splitlines()[-1])
     assert json.loads((tmp_path / "addresses" / "addresses.json").read_text())["tensors"] == 80
