@@ -8,10 +8,12 @@ shell script plays that interpreter. The main path runs the real `python -m venv
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -71,10 +73,14 @@ def test_outside_a_venv_the_project_venv_is_made_with_the_system_site_packages(t
     assert result.stdout.strip() == str(python)
     assert f"created {venv}" in result.stderr
     assert "include-system-site-packages = true" in (venv / "pyvenv.cfg").read_text()
-    # the base interpreter's packages are reused (a preinstalled torch), and installs go here
-    probe = subprocess.run([str(python), "-c", "import sys, torch; print(sys.prefix)"],
+    # the base interpreter's packages are reused (a preinstalled torch): its site-packages folder is on
+    # the new venv's path, whatever it holds; installs go into the venv
+    probe = subprocess.run([str(python), "-c", "import json, sys; print(json.dumps([sys.prefix, sys.path]))"],
                            capture_output=True, text=True, timeout=120)
-    assert probe.returncode == 0 and Path(probe.stdout.strip()) == venv
+    assert probe.returncode == 0, probe.stderr
+    prefix, path = json.loads(probe.stdout)
+    base_site = sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_prefix})["purelib"]
+    assert Path(prefix) == venv and base_site in path
     again = _select({"PYTHON": sys.executable, "GRAPHRUNNER_VENV": str(venv)})
     assert again.stdout.strip() == str(python) and again.stderr == ""  # reused, silently
 
