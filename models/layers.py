@@ -26,10 +26,13 @@ helpers, and the linears' tensor-parallel forms extend `Linear`'s loader and fas
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import threading
 import time
 import weakref
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -106,6 +109,29 @@ first product in the packed range: packing later (say, on the second) would make
 of the same rows compute differently the first time (last-bit differences), so the same request
 run twice in one process would not give the same logprobs."""
 _PACK_HINT_ROWS = 32
+_decode_products = threading.local()
+
+
+@contextlib.contextmanager
+def decode_step_products(decode: bool) -> Iterator[None]:
+    """Marks the products inside as a decode step's (every request adds one token) or not: only a
+    decode step's linears take the packed weights. A pack pays for itself over the many steps of a
+    decode batch; a prefill of a few dozen tokens (a chat prompt) runs once, and packing every weight
+    for it costs more than it saves: for the embedded model ~1.2 s before the first token and ~450 MB
+    of resident memory (`graphrunner bench startup`). The model runner wraps each step's forward
+    and logits in this; products outside it are not a decode step's."""
+    previous = getattr(_decode_products, "active", False)
+    _decode_products.active = decode
+    try:
+        yield
+    finally:
+        _decode_products.active = previous
+
+
+def _in_decode_step() -> bool:
+    return getattr(_decode_products, "active", False)
+
+
 class PerWeight:
     """A value derived from a weight tensor (an MKL pack, a bf16 copy), built by `build(weight)` on
     its first use and again whenever the weight's storage or version changes; dropped with the weight."""
@@ -197,8 +223,9 @@ def _copy_checked(dest: torch.Tensor, loaded) -> None:
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same names); on a CPU, fp32 inputs of PACKED_MIN_ROWS to
-    PACKED_MAX_ROWS rows (batched decode steps) multiply by an MKL-packed copy of the weight, made on
-    the weight's first such product, so MKL does not repack the weight on every call. Bit-identical to F.linear from 16 rows on at the measured shapes; the
+    PACKED_MAX_ROWS rows in a decode step (`decode_step_products`: batched decode) multiply by an
+    MKL-packed copy of the weight, made on the weight's first such product, so MKL does not repack
+    the weight on every call. Bit-identical to F.linear from 16 rows on at the measured shapes; the
     same sum in another order (last-bit differences) below that.
 
     `weight_loader(param, loaded, shard_id)` places a checkpoint tensor into one of its
@@ -242,7 +269,7 @@ class Linear(nn.Linear):
             return kernels.linear(x, self.weight, bias)
         rows = x.shape[0] if x.dim() == 2 else (x.numel() // x.shape[-1] if x.numel() else 0)
         if (x.is_cuda or not PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS or x.dtype != torch.float32
-                or self.weight.dtype != torch.float32 or not _packing_enabled()):
+                or self.weight.dtype != torch.float32 or not _packing_enabled() or not _in_decode_step()):
             return F.linear(x, self.weight, bias)
         pack = _weight_pack(self.weight)
         if pack is None:

@@ -22,7 +22,7 @@ from attention.forward_context import ForwardContext, get_forward_context, set_f
 from configs import CUDAGraphMode, EngineConfig, SamplingParams, set_active_kernel_config
 from launch.kernel_cache import use_triton_cache
 from models.hf_config import ModelSpec
-from models.layers import screened_argmax
+from models.layers import decode_step_products, screened_argmax
 from models.causal_lm import IntermediateTensors
 from models.loader import build_model
 from models.parallel_state import tensor_parallel_group
@@ -245,7 +245,7 @@ class ModelRunner(GraphStartUp):
         metadata = self.attn_backend.build_metadata(common)
         context = ForwardContext(metadata, self.kv_caches, self.attn_backend, mode, desc)
         input_ids, positions = self.input_batch.model_inputs(padded_tokens)
-        with set_forward_context(context):
+        with set_forward_context(context), decode_step_products(common.uniform_decode):
             return (forward or self.forward)(input_ids, positions, self.intermediate_view(padded_tokens))
 
     def dispatch(self, sched: SchedulerOutput) -> tuple[CUDAGraphMode, BatchDescriptor | None]:
@@ -350,7 +350,8 @@ class ModelRunner(GraphStartUp):
                 return logits.float() if float32 else logits
             out = out.hidden
         if common.uniform_decode and len(rows) == len(reqs):  # row i's one token is hidden row i: no gather
-            return self.model.compute_logits(out[:len(reqs)], float32)
+            with decode_step_products(True):
+                return self.model.compute_logits(out[:len(reqs)], float32)
         last_token = common.query_start_loc_cpu[torch.tensor(rows) + 1].long() - 1
         return self.model.compute_logits(out[self.sampling.to_device(last_token)], float32)
 

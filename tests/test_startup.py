@@ -202,7 +202,7 @@ def test_a_linear_packs_its_weight_on_its_first_batched_product_only():
         entry = packs._entries.get(id(linear.weight))
         return entry is not None and entry[2] is not None
 
-    with torch.no_grad():
+    with torch.no_grad(), layers.decode_step_products(True):
         for _ in range(3):
             linear(torch.randn(1, 64))
             linear(torch.randn(2, 64))
@@ -212,3 +212,22 @@ def test_a_linear_packs_its_weight_on_its_first_batched_product_only():
         assert built()
         assert torch.equal(linear(x), first)
         assert torch.allclose(first, torch.nn.functional.linear(x, linear.weight), atol=1e-5)
+
+
+def test_only_decode_steps_pack_weights():
+    """A prefill of a few dozen tokens runs once: packing every weight for it would cost more start-up
+    time and memory than it saves, so products outside a decode step (the runner marks them with
+    `decode_step_products`) take F.linear and build nothing."""
+    from models import layers
+    if not layers._packing_enabled():
+        pytest.skip("MKL packed linear unavailable")
+    linear = layers.Linear(64, 32, bias=False)
+    x = torch.randn(24, 64)
+    with torch.no_grad():
+        assert torch.equal(linear(x), torch.nn.functional.linear(x, linear.weight))
+        with layers.decode_step_products(False):
+            linear(x)
+        assert id(linear.weight) not in layers._weight_pack._entries
+        with layers.decode_step_products(True):
+            linear(x)
+        assert layers._weight_pack._entries[id(linear.weight)][2] is not None
