@@ -67,8 +67,13 @@ class KernelConfig(BaseModel):
         "it (auto: no cap; generic: portable C for the architecture's baseline, always there) "
         "[GRAPHRUNNER_CPU_ISA]", str)
     cpu_packed_linear: bool = _field("GRAPHRUNNER_CPU_PACKED_LINEAR", "cpu_packed_linear", True,
-                                     "CPU: fp32 linears of small batches multiply an MKL-packed weight "
+                                     "CPU: fp32 linears of decode steps of 3-64 rows multiply a packed weight "
                                      "[GRAPHRUNNER_CPU_PACKED_LINEAR]")
+    cpu_linear_pack: Literal["auto", "mkl", "onednn"] = _field(
+        "GRAPHRUNNER_CPU_LINEAR_PACK", "cpu_linear_pack", "auto",
+        "CPU: the packed-weight format of cpu_packed_linear: MKL's packed sgemm or oneDNN's; auto: MKL on Intel "
+        "CPUs, oneDNN on others, where each is the faster (models/layers.pack_format) [GRAPHRUNNER_CPU_LINEAR_PACK]",
+        str)
     cpu_screened_argmax: bool = _field("GRAPHRUNNER_CPU_SCREENED_ARGMAX", "cpu_screened_argmax", True,
                                        "CPU: greedy rows screen the vocabulary with a bf16 LM head first "
                                        "[GRAPHRUNNER_CPU_SCREENED_ARGMAX]")

@@ -104,6 +104,20 @@ def _cpu_flags() -> set[str] | None:
 
 
 @functools.cache
+def cpu_vendor() -> str | None:
+    """/proc/cpuinfo's `vendor_id` (GenuineIntel, AuthenticAMD, ...); None where there is none (aarch64,
+    not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+@functools.cache
 def host_isas() -> tuple[str, ...]:
     """The instruction sets this CPU runs, best first (always ending in `generic`). From /proc/cpuinfo;
     elsewhere (no /proc) from the kernels torch picked for this CPU."""

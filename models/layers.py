@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from configs.kernel_config import active_kernel_config
+from launch.native_build import cpu_vendor
 from models import cpu_kernels
 from models.parallel_state import shard_heads, shard_size, tensor_parallel_all_reduce, tensor_parallel_group
 from models.weight_copy import copy_weight
@@ -156,43 +157,81 @@ class PerWeight:
 
 
 def _packing_enabled() -> bool:
-    """MKL's packed sgemm (torch.ops.mkl._mkl_linear) is there and KernelConfig.cpu_packed_linear
-    is on. A pack costs about the weight's size in memory again, once per weight."""
-    return active_kernel_config().cpu_packed_linear and _packing_available()
+    """KernelConfig.cpu_packed_linear is on and its format (`pack_format`) is in this torch build.
+    A pack costs about the weight's size in memory again, once per weight."""
+    return active_kernel_config().cpu_packed_linear and pack_format() is not None
+
+
+def pack_format() -> str | None:
+    """The packed-weight format of the CPU linears: KernelConfig.cpu_linear_pack, where `auto` is
+    MKL's on Intel CPUs and oneDNN's elsewhere; the other one where the choice is not in this build;
+    None with neither.
+
+    Why by vendor: at the embedded model's shapes with 2 threads (`graphrunner bench cpu_linear
+    --threads 2`; docs/PERFORMANCE.md), MKL's packed sgemm is the faster on an AVX-512 Xeon (every
+    linear of one 32-row step 71.7 vs 80.1 ms, of a 4-row one 35.7 vs 49.8) and oneDNN's on an AVX2
+    AMD EPYC (147.5 vs 218.2 ms; 4 rows 46.1 vs 111.9)."""
+    choice = active_kernel_config().cpu_linear_pack
+    if choice == "auto":
+        choice = "mkl" if cpu_vendor() == "GenuineIntel" else "onednn"
+    available = [name for name in (choice, "onednn" if choice == "mkl" else "mkl") if format_available(name)]
+    return available[0] if available else None
 
 
 @functools.cache
+def format_available(name: str) -> bool:
+    if name == "mkl":
+        return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
 def _packing_available() -> bool:
-    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+    """Some packed format is in this torch build (whatever KernelConfig.cpu_packed_linear says)."""
+    return format_available("mkl") or format_available("onednn")
 
 
-def _build_pack(weight: torch.Tensor):
-    """MKL-packed copy of `weight` ([N, K] fp32, CPU); None (this weight stays unpacked) when
-    packing fails its check.
+def _reorder(name: str, weight: torch.Tensor):
+    if name == "mkl":
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight, _PACK_HINT_ROWS)
+    return torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT_ROWS)
 
-    MKL's packed format carries its own metadata: the row count given to the packing is a
-    blocking hint, and the product is computed for any row count (PaddlePaddle packs with
-    m=1 and computes whole batches). Each new pack is checked once against F.linear at a row
-    count other than the hint. A failed check concerns this weight only (a weight holding NaN or
-    Inf fails it whatever MKL does), so it never switches packing off for other weights or for
-    later engines in the same process: their linears must compute what a fresh process computes."""
+
+def packed_product(name: str, x: torch.Tensor, pack, weight: torch.Tensor, bias: torch.Tensor | None,
+                   rows: int) -> torch.Tensor:
+    """x @ weight.T + bias through `pack` (a `build_pack(name, weight)`); oneDNN's reads only the pack."""
+    if name == "mkl":
+        return torch.ops.mkl._mkl_linear(x, pack, weight, bias, rows)
+    return torch.ops.mkldnn._linear_pointwise(x, pack, bias, "none", [], "")
+
+
+def build_pack(name: str, weight: torch.Tensor):
+    """`weight` ([N, K] fp32, CPU) packed in format `name` ("mkl" or "onednn"); None (this weight
+    stays unpacked) when packing fails its check.
+
+    Both formats carry their own metadata: the row count given to the packing is a blocking hint,
+    and the product is computed for any row count (PaddlePaddle packs with m=1 and computes whole
+    batches). Each new pack is checked once against F.linear at a row count other than the hint.
+    A failed check concerns this weight only (a weight holding NaN or Inf fails it whatever the
+    library does), so it never switches packing off for other weights or for later engines in the
+    same process: their linears must compute what a fresh process computes."""
     try:
         with torch.no_grad():
-            pack = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), _PACK_HINT_ROWS)
+            pack = _reorder(name, weight.detach())
             probe = torch.randn(_PACK_HINT_ROWS // 2 + 1, weight.shape[1], generator=torch.Generator().manual_seed(0))
-            got = torch.ops.mkl._mkl_linear(probe, pack, weight, None, probe.shape[0])
+            got = packed_product(name, probe, pack, weight, None, probe.shape[0])
             expected = F.linear(probe, weight)
         ok = torch.allclose(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
     except RuntimeError as error:
         ok, pack = False, error
     if not ok:
-        logger.warning("MKL packed linear not used for a [%d, %d] weight: %s", *weight.shape,
+        logger.warning("%s packed linear not used for a [%d, %d] weight: %s", name, *weight.shape,
                        pack if isinstance(pack, Exception) else "its check failed")
         return None
     return pack
 
 
-_weight_pack = PerWeight(_build_pack)
+weight_packs = {name: PerWeight(functools.partial(build_pack, name)) for name in ("mkl", "onednn")}
+"""One cache per format: engines of different formats in one process never share a pack."""
 
 
 class WeightLoadError(ValueError):
@@ -271,10 +310,11 @@ class Linear(nn.Linear):
         if (x.is_cuda or not PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS or x.dtype != torch.float32
                 or self.weight.dtype != torch.float32 or not _packing_enabled() or not _in_decode_step()):
             return F.linear(x, self.weight, bias)
-        pack = _weight_pack(self.weight)
+        name = pack_format()
+        pack = weight_packs[name](self.weight)
         if pack is None:
             return F.linear(x, self.weight, bias)
-        return torch.ops.mkl._mkl_linear(x, pack, self.weight, bias, rows)
+        return packed_product(name, x, pack, self.weight, bias, rows)
 
 
 class PackedLinear(Linear):

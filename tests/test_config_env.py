@@ -58,6 +58,7 @@ EVERY_SWITCH = {
     "GRAPHRUNNER_COMPILE_THREADS": ("3", 3),
     "GRAPHRUNNER_CPU_ISA": ("avx2", "avx2"),
     "GRAPHRUNNER_CPU_KERNELS": ("0", False),
+    "GRAPHRUNNER_CPU_LINEAR_PACK": ("onednn", "onednn"),
     "GRAPHRUNNER_CPU_PACKED_LINEAR": ("0", False),
     "GRAPHRUNNER_CPU_SCREENED_ARGMAX": ("false", False),
     "GRAPHRUNNER_DEBUG_CUDAGRAPH": ("1", True),

@@ -162,23 +162,26 @@ def test_damage_in_the_embedded_models_folder_says_how_to_rebuild_it(pristine, t
         load_ours(folder)
 
 
-def test_a_weight_failing_the_pack_check_leaves_packing_on_for_every_other_weight():
-    """A NaN weight (loaded with check_finite_weights=False) fails the MKL pack check; that weight
+@pytest.mark.parametrize("pack", ["mkl", "onednn"])
+def test_a_weight_failing_the_pack_check_leaves_packing_on_for_every_other_weight(pack):
+    """A NaN weight (loaded with check_finite_weights=False) fails the pack check; that weight
     alone stays unpacked, so engines built later in the same process compute what a fresh process
     computes (packing used to switch off process-wide, changing later engines' last bits)."""
     import torch.nn.functional as F
+    from configs import using_kernel_config
     from models import layers
-    if not layers._packing_available():   # x86-64 torch wheels ship MKL; others may not
-        pytest.skip("this torch build has no MKL packed linear")
+    if not layers.format_available(pack):   # x86-64 torch wheels ship MKL and oneDNN; others may not
+        pytest.skip(f"this torch build has no {pack} packed linear")
     damaged = torch.randn(64, 32)
     damaged[3, 5] = float("nan")
-    assert layers._build_pack(damaged) is None
-    assert layers._packing_enabled()
-    linear = layers.Linear(32, 64, bias=False)
-    x = torch.randn(4, 32)
-    with layers.decode_step_products(True):
-        got = linear(x)
-    packed = layers._weight_pack(linear.weight)
+    assert layers.build_pack(pack, damaged) is None
+    with using_kernel_config(cpu_linear_pack=pack):
+        assert layers._packing_enabled() and layers.pack_format() == pack
+        linear = layers.Linear(32, 64, bias=False)
+        x = torch.randn(4, 32)
+        with layers.decode_step_products(True):
+            got = linear(x)
+    packed = layers.weight_packs[pack](linear.weight)
     assert packed is not None
-    assert torch.equal(got, torch.ops.mkl._mkl_linear(x, packed, linear.weight, None, 4))
+    assert torch.equal(got, layers.packed_product(pack, x, packed, linear.weight, None, 4))
     torch.testing.assert_close(got, F.linear(x, linear.weight))

@@ -187,16 +187,26 @@ def test_startup_bench_smoke(tmp_path, capsys):
     assert "| tokens | graphrunner generate s | HF s | time ratio |" in printed
 
 
-# ---- MKL packs only where they pay --------------------------------------------------------------
-def test_a_linear_packs_its_weight_on_its_first_batched_product_only():
+# ---- packed weights only where they pay -----------------------------------------------------------
+@pytest.fixture(params=["mkl", "onednn"])
+def pack(request):
+    """Each packed-weight format this torch build has, in force (KernelConfig.cpu_linear_pack)."""
+    from configs import using_kernel_config
+    from models import layers
+    if not layers.format_available(request.param):
+        pytest.skip(f"this torch build has no {request.param} packed linear")
+    with using_kernel_config(cpu_linear_pack=request.param, cpu_packed_linear=True):
+        assert layers.pack_format() == request.param
+        yield request.param
+
+
+def test_a_linear_packs_its_weight_on_its_first_batched_product_only(pack):
     """A pack costs the weight's memory again: 1-2-row products (one-prompt decode, where packing
     gains nothing) never build one; the first product of 3-64 rows does, and every later product of
     the same rows computes the same bits (a later pack would change the first one's last bits)."""
     from models import layers
-    if not layers._packing_enabled():
-        pytest.skip("MKL packed linear unavailable")
     linear = layers.Linear(64, 32, bias=False)
-    packs = layers._weight_pack
+    packs = layers.weight_packs[pack]
 
     def built() -> bool:
         entry = packs._entries.get(id(linear.weight))
@@ -214,20 +224,50 @@ def test_a_linear_packs_its_weight_on_its_first_batched_product_only():
         assert torch.allclose(first, torch.nn.functional.linear(x, linear.weight), atol=1e-5)
 
 
-def test_only_decode_steps_pack_weights():
+def test_only_decode_steps_pack_weights(pack):
     """A prefill of a few dozen tokens runs once: packing every weight for it would cost more start-up
     time and memory than it saves, so products outside a decode step (the runner marks them with
     `decode_step_products`) take F.linear and build nothing."""
     from models import layers
-    if not layers._packing_enabled():
-        pytest.skip("MKL packed linear unavailable")
     linear = layers.Linear(64, 32, bias=False)
     x = torch.randn(24, 64)
     with torch.no_grad():
         assert torch.equal(linear(x), torch.nn.functional.linear(x, linear.weight))
         with layers.decode_step_products(False):
             linear(x)
-        assert id(linear.weight) not in layers._weight_pack._entries
+        assert id(linear.weight) not in layers.weight_packs[pack]._entries
         with layers.decode_step_products(True):
             linear(x)
-        assert layers._weight_pack._entries[id(linear.weight)][2] is not None
+        assert layers.weight_packs[pack]._entries[id(linear.weight)][2] is not None
+
+
+def test_auto_packs_with_mkl_on_intel_and_onednn_elsewhere(monkeypatch):
+    """`auto` (models/layers.pack_format) follows the measurement of `graphrunner bench cpu_linear`;
+    a format this build lacks falls back to the other."""
+    from configs import using_kernel_config
+    from models import layers
+    with using_kernel_config(cpu_linear_pack="auto"):
+        for vendor, expected in [("GenuineIntel", "mkl"), ("AuthenticAMD", "onednn"), (None, "onednn")]:
+            monkeypatch.setattr(layers, "cpu_vendor", lambda vendor=vendor: vendor)
+            monkeypatch.setattr(layers, "format_available", lambda name: True)
+            assert layers.pack_format() == expected
+            monkeypatch.setattr(layers, "format_available", lambda name, expected=expected: name != expected)
+            assert layers.pack_format() == {"mkl": "onednn", "onednn": "mkl"}[expected]
+            monkeypatch.setattr(layers, "format_available", lambda name: False)
+            assert layers.pack_format() is None and not layers._packing_enabled()
+
+
+def test_engines_of_both_formats_give_hf_greedy_tokens(tmp_path):
+    """A batched CPU decode (4 prompts: 4-row products, packed) under each format, same greedy tokens as
+    HF transformers; each format keeps its own packs."""
+    from checkpoints import hf_greedy_generate
+    from models import layers
+    from runner import LLM, SamplingParams
+    tiny, hf_model = make_tiny_checkpoint(tmp_path / "llama", "llama_gqa")
+    prompts = [[1, 5, 9, 13], [2, 7], [3, 3, 3, 8, 21], [11]]
+    expected = hf_greedy_generate(hf_model, prompts, 6, ignore_eos=True)
+    for pack in [name for name in ("mkl", "onednn") if layers.format_available(name)]:
+        llm = LLM(model=str(tiny), dtype="float32", device="cpu", kernel_config={"cpu_linear_pack": pack})
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected, pack
