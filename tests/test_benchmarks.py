@@ -164,6 +164,22 @@ def test_shape_byte_counts_match_hf_parameters(tmp_path, name):
     assert math.isclose(total, known[name], rel_tol=0.03)
 
 
+def test_cpu_linear_bench_times_every_available_format(tmp_path, capsys):
+    """`graphrunner bench cpu_linear` times F.linear and each packed format this build has over one
+    step's projections, says which one `auto` picks, and writes the same figures as JSON."""
+    from models.layers import format_available, pack_format
+    from runner.benchmarks import cpu_linear
+    assert cpu_linear.main(["--layers", "1", "--rows", "1", "4", "--steps", "1", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "cpu_linear.json").read_text())
+    formats = ["F.linear"] + [name for name in ("mkl", "onednn") if format_available(name)]
+    assert [r["rows"] for r in result["rows"]] == [1, 4] and result["auto"] == pack_format()
+    for row in result["rows"]:
+        assert sorted(k for k in row if k != "rows") == sorted(formats) and all(row[f] > 0 for f in formats)
+    assert f"auto packs with: {pack_format()}" in capsys.readouterr().out
+    weights = cpu_linear.step_weights("smollm2-135m", 1)
+    assert [tuple(w.shape) for w in weights] == [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+
+
 def test_linear_bench_cpu_smoke(tmp_path):
     """`graphrunner bench linear`'s code paths bar CUDA graphs and events: both variants of every
     projection run (the Triton kernels in the interpreter), the table's rows and the JSON agree."""
