@@ -349,11 +349,11 @@ class ModelRunner(GraphStartUp):
                 logits = out.logits[:len(reqs)]
                 return logits.float() if float32 else logits
             out = out.hidden
-        if common.uniform_decode and len(rows) == len(reqs):  # row i's one token is hidden row i: no gather
-            with decode_step_products(True):
+        with decode_step_products(common.uniform_decode):   # the LM head as the step's other products
+            if common.uniform_decode and len(rows) == len(reqs):  # row i's one token is hidden row i: no gather
                 return self.model.compute_logits(out[:len(reqs)], float32)
-        last_token = common.query_start_loc_cpu[torch.tensor(rows) + 1].long() - 1
-        return self.model.compute_logits(out[self.sampling.to_device(last_token)], float32)
+            last_token = common.query_start_loc_cpu[torch.tensor(rows) + 1].long() - 1
+            return self.model.compute_logits(out[self.sampling.to_device(last_token)], float32)
 
     def _greedy_tokens(self, reqs: list[ScheduledRequest], rows: list[int], out, common) -> torch.Tensor:
         """Greedy tokens of the sampling rows: the graph's (DecodeOutput, every row samples), on a

@@ -10,6 +10,7 @@ import torch
 from checkpoints import make_tiny_checkpoint
 from configs import CUDAGraphMode, EngineConfig, SamplingParams
 from models import load_hf_config, model_spec
+from models.layers import decode_step_products
 from runner.cudagraph import BatchDescriptor
 from runner.model_runner import DecodeOutput, ModelRunner
 from runner.scheduler import ScheduledRequest
@@ -43,7 +44,8 @@ def test_graph_mode_decode_step_samples_from_its_own_logits(tmp_path):
     assert isinstance(hidden, torch.Tensor) and torch.equal(hidden, out.hidden)
     rows = [0, 1, 2]
     with torch.inference_mode():
-        want = runner.model.compute_logits(hidden)
+        with decode_step_products(True):   # the LM head as a decode step computes it (a CPU's packed weight)
+            want = runner.model.compute_logits(hidden)
         assert torch.equal(runner._sampling_logits(reqs, rows, out, common), want)
         assert torch.equal(runner._greedy_tokens(reqs, rows, out, common), want.argmax(dim=-1))
         assert runner._greedy_tokens(reqs, rows, out, common).data_ptr() == out.greedy.data_ptr()
@@ -55,7 +57,7 @@ def test_rows_that_do_not_sample_take_the_hidden_rows(tmp_path):
     """A uniform step whose middle request is a non-final one-token chunk: rows 0 and 2 sample."""
     runner = _runner(tmp_path)
     reqs, common, out = _decode_step(runner, BatchDescriptor(3, 3, True), [True, False, True])
-    with torch.inference_mode():
+    with torch.inference_mode(), decode_step_products(True):
         want = runner.model.compute_logits(out.hidden[[0, 2]])
         assert torch.equal(runner._sampling_logits(reqs, [0, 2], out, common), want)
     assert runner.sample(reqs, out, common).sampled == {"r0": int(want[0].argmax()), "r2": int(want[1].argmax())}
