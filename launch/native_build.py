@@ -91,30 +91,28 @@ def isa_flags(isa: str) -> list[str]:
     return ISA_FLAGS[isa]
 
 
-def _cpu_flags() -> set[str] | None:
-    """The CPU's feature flags from /proc/cpuinfo (x86 `flags`, aarch64 `Features`); None where unreadable."""
+def _cpuinfo_value(*keys: str) -> str | None:
+    """The value of the first /proc/cpuinfo line whose key starts with one of `keys`; None where
+    there is no such line or no /proc/cpuinfo (not Linux)."""
     try:
         with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith(("flags", "Features")):
-                    return set(line.split(":", 1)[1].split())
+            line = next((line for line in info if line.startswith(keys)), None)
     except OSError:
-        pass
-    return None
+        return None
+    return None if line is None else line.split(":", 1)[1].strip()
+
+
+def _cpu_flags() -> set[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo (x86 `flags`, aarch64 `Features`); None where unreadable."""
+    flags = _cpuinfo_value("flags", "Features")
+    return None if flags is None else set(flags.split())
 
 
 @functools.cache
 def cpu_vendor() -> str | None:
     """/proc/cpuinfo's `vendor_id` (GenuineIntel, AuthenticAMD, ...); None where there is none (aarch64,
     not Linux)."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
+    return _cpuinfo_value("vendor_id")
 
 
 @functools.cache

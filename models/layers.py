@@ -156,10 +156,11 @@ class PerWeight:
         return value
 
 
-def _packing_enabled() -> bool:
-    """KernelConfig.cpu_packed_linear is on and its format (`pack_format`) is in this torch build.
-    A pack costs about the weight's size in memory again, once per weight."""
-    return active_kernel_config().cpu_packed_linear and pack_format() is not None
+def _packing_format() -> str | None:
+    """The packed format CPU linears use now (`pack_format`); None when KernelConfig.cpu_packed_linear
+    is off or this torch build has no format. A pack costs about the weight's size in memory again,
+    once per weight."""
+    return pack_format() if active_kernel_config().cpu_packed_linear else None
 
 
 def pack_format() -> str | None:
@@ -183,11 +184,6 @@ def format_available(name: str) -> bool:
     if name == "mkl":
         return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-def _packing_available() -> bool:
-    """Some packed format is in this torch build (whatever KernelConfig.cpu_packed_linear says)."""
-    return format_available("mkl") or format_available("onednn")
 
 
 def _reorder(name: str, weight: torch.Tensor):
@@ -262,9 +258,9 @@ def _copy_checked(dest: torch.Tensor, loaded) -> None:
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same names); on a CPU, fp32 inputs of PACKED_MIN_ROWS to
-    PACKED_MAX_ROWS rows in a decode step (`decode_step_products`: batched decode) multiply by an
-    MKL-packed copy of the weight, made on the weight's first such product, so MKL does not repack
-    the weight on every call. Bit-identical to F.linear from 16 rows on at the measured shapes; the
+    PACKED_MAX_ROWS rows in a decode step (`decode_step_products`: batched decode) multiply by a
+    packed copy of the weight (MKL's or oneDNN's, `pack_format`), made on the weight's first such
+    product, so the library does not repack the weight on every call. Bit-identical to F.linear from 16 rows on at the measured shapes; the
     same sum in another order (last-bit differences) below that.
 
     `weight_loader(param, loaded, shard_id)` places a checkpoint tensor into one of its
@@ -307,11 +303,11 @@ class Linear(nn.Linear):
         if kernels is not None:   # one row: the one-row GEMV streams the weight faster than cuBLAS
             return kernels.linear(x, self.weight, bias)
         rows = x.shape[0] if x.dim() == 2 else (x.numel() // x.shape[-1] if x.numel() else 0)
-        if (x.is_cuda or not PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS or x.dtype != torch.float32
-                or self.weight.dtype != torch.float32 or not _packing_enabled() or not _in_decode_step()):
+        if (x.is_cuda or not _in_decode_step() or not PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS
+                or x.dtype != torch.float32 or self.weight.dtype != torch.float32):
             return F.linear(x, self.weight, bias)
-        name = pack_format()
-        pack = weight_packs[name](self.weight)
+        name = _packing_format()
+        pack = None if name is None else weight_packs[name](self.weight)
         if pack is None:
             return F.linear(x, self.weight, bias)
         return packed_product(name, x, pack, self.weight, bias, rows)

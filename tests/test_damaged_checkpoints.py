@@ -176,7 +176,7 @@ def test_a_weight_failing_the_pack_check_leaves_packing_on_for_every_other_weigh
     damaged[3, 5] = float("nan")
     assert layers.build_pack(pack, damaged) is None
     with using_kernel_config(cpu_linear_pack=pack):
-        assert layers._packing_enabled() and layers.pack_format() == pack
+        assert layers._packing_format() == layers.pack_format() == pack
         linear = layers.Linear(32, 64, bias=False)
         x = torch.randn(4, 32)
         with layers.decode_step_products(True):

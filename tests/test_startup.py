@@ -254,7 +254,7 @@ def test_auto_packs_with_mkl_on_intel_and_onednn_elsewhere(monkeypatch):
             monkeypatch.setattr(layers, "format_available", lambda name, expected=expected: name != expected)
             assert layers.pack_format() == {"mkl": "onednn", "onednn": "mkl"}[expected]
             monkeypatch.setattr(layers, "format_available", lambda name: False)
-            assert layers.pack_format() is None and not layers._packing_enabled()
+            assert layers.pack_format() is None and layers._packing_format() is None
 
 
 def test_engines_of_both_formats_give_hf_greedy_tokens(tmp_path):
