@@ -1,4 +1,5 @@
-"""HF config.json -> ModelSpec: the numbers every family module needs (the rest it reads from hf_config)."""
+"""HF config.json -> ModelSpec: the numbers every family module needs (the rest it reads from
+hf_config, an `HFConfig`: config.json read by models/config_json.py, not by transformers)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
 
+from models.config_json import HFConfig, read_config_json
 from models.parallel_state import shard_heads, shard_size
 from models.registry import family_flags
 
@@ -22,7 +23,7 @@ class CheckpointError(FileNotFoundError):
 @dataclass(frozen=True)
 class ModelSpec:
     architecture: str
-    hf_config: PretrainedConfig
+    hf_config: HFConfig
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -42,30 +43,30 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
 
 
-def load_hf_config(path: str | Path) -> PretrainedConfig:
+def load_hf_config(path: str | Path) -> HFConfig:
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder {str(folder)!r} does not exist")
     if not (folder / "config.json").is_file():
         raise CheckpointError(f"checkpoint folder {str(folder)!r} has no config.json")
-    return AutoConfig.from_pretrained(folder)
+    return read_config_json(folder / "config.json")
 
 
-def _checkpoint_dtype(config: PretrainedConfig) -> torch.dtype | None:
+def _checkpoint_dtype(config: HFConfig) -> torch.dtype | None:
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
-def _eos_ids(config: PretrainedConfig) -> tuple[int, ...]:
+def _eos_ids(config: HFConfig) -> tuple[int, ...]:
     eos = getattr(config, "eos_token_id", None)
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-def model_spec(config: PretrainedConfig) -> ModelSpec:
+def model_spec(config: HFConfig) -> ModelSpec:
     arch, flags = family_flags(getattr(config, "architectures", None))
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads

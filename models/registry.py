@@ -1,7 +1,7 @@
 """Supported architectures: config.json's `architectures` name -> the family module that builds it.
 
-A new family is one file under models/ (a `CausalLM` subclass, models/causal_lm.py) plus one line
-here. The Llama-family flags switch what differs inside models/llama.py.
+A new family is one file under models/ (a `CausalLM` subclass, models/causal_lm.py), one line
+here, and its config class's defaults in models/config_json.py (`FAMILY_DEFAULTS`). The Llama-family flags switch what differs inside models/llama.py.
 """
 
 from __future__ import annotations

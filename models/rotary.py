@@ -1,62 +1,27 @@
-"""Rotary position embedding: the cos/sin tables (from transformers' own rope-init functions, per
-layer type where a config has several) and neox-style rotation, with one dispatch point per call:
-the fused Triton kernel on CUDA (models/fused_kernels.py), the C kernel on a CPU decode step
-(models/cpu_kernels.py), else the torch reference, which keeps HF's rounding points."""
+"""Rotary position embedding: the cos/sin tables (per layer type where a config has several; the
+inverse frequencies of every rope type in models/rope_init.py) and neox-style rotation, with one
+dispatch point per call: the fused Triton kernel on CUDA (models/fused_kernels.py), the C kernel on
+a CPU decode step (models/cpu_kernels.py), else the torch reference, which keeps HF's rounding
+points.
+
+The table is computed once for the engine's context limit `max_positions`. `longrope` (Phi-3's su
+scaling) has two sets of factors, and HF switches between them at run time, for every position at
+once, by the current sequence length: short factors while it is at most
+original_max_position_embeddings, long ones beyond. A paged KV cache keeps keys rotated once, so the
+choice here is made once: short factors when max_model_len <= original_max_position_embeddings (then
+every sequence the engine accepts is one HF runs with short factors: equal to HF), long factors
+otherwise (equal to HF for sequences whose prompt already exceeds the original length; shorter ones
+differ from HF, which would use short factors for them until they grow past it).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from models import cpu_kernels
 from models.layers import fused
-
-
-def rope_inverse_frequencies(config: PretrainedConfig, layer_type: str | None = None,
-                             max_positions: int | None = None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention scaling from transformers' own rope-init functions.
-
-    Supports every static rope type transformers registers (default, linear, llama3, yarn, ...),
-    per layer type where the config keeps one set of parameters per type (Gemma 3: local and
-    global layers). `longrope` (Phi-3's su scaling) has two sets of factors, and HF switches
-    between them at run time, for every position at once, by the current sequence length: short
-    factors while it is at most original_max_position_embeddings, long ones beyond. A paged KV
-    cache keeps keys rotated once, so the choice here is made once, by the engine's context
-    limit `max_positions`: short factors when max_model_len <= original_max_position_embeddings
-    (then every sequence the engine accepts is one HF runs with short factors: equal to HF), long
-    factors otherwise (equal to HF for sequences whose prompt already exceeds the original length;
-    shorter ones differ from HF, which would use short factors for them until they grow past it).
-    `dynamic` changes with the sequence length too and is refused.
-    """
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    with torch.device("cpu"):  # real numbers even while the module is being built on "meta"
-        return _rope_init(config, ROPE_INIT_FUNCTIONS, layer_type, max_positions)
-
-
-def _rope_init(config: PretrainedConfig, ROPE_INIT_FUNCTIONS, layer_type: str | None = None,
-               max_positions: int | None = None) -> tuple[torch.Tensor, float]:
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if layer_type is not None:
-        params = params[layer_type]
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    kwargs = {} if layer_type is None else {"layer_type": layer_type}
-    if rope_type == "dynamic":
-        raise ValueError(f"rope type {rope_type!r} depends on the sequence length at run time; unsupported")
-    if rope_type == "longrope":
-        return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), seq_len=max_positions, **kwargs)
-    if rope_type in ROPE_INIT_FUNCTIONS and rope_type != "default":
-        return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
-    if rope_type != "default":
-        raise ValueError(f"unknown rope type {rope_type!r}; transformers knows {sorted(ROPE_INIT_FUNCTIONS)}")
-    # HF's default formula (compute_default_rope_parameters of Llama, Gemma 3, ...), written out:
-    # importing a modeling module for it would load transformers' model machinery (torch._dynamo,
-    # torch.distributed.tensor: seconds and ~150 MB of a CPU start-up, `python -X importtime`).
-    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
-    dim = int((getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-              * params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
-    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
+from models.rope_init import rope_inverse_frequencies
 
 
 ROPE_SIGNED_MAX_ROWS = 64
@@ -66,7 +31,7 @@ ROPE_SIGNED_MAX_ROWS = 64
 class RotaryEmbedding(nn.Module):
     """Neox-style RoPE (rotate halves, as HF Llama) from a cos/sin table indexed by position."""
 
-    def __init__(self, config: PretrainedConfig, max_positions: int, layer_type: str | None = None) -> None:
+    def __init__(self, config, max_positions: int, layer_type: str | None = None) -> None:
         super().__init__()
         self.config, self.max_positions, self.layer_type = config, max_positions, layer_type
         inv_freq, _ = rope_inverse_frequencies(config, layer_type, max_positions)

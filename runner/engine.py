@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from configs import EngineConfig, SamplingParams
+from models.config_json import ConfigFileError, read_config_json
 from models.hf_config import load_hf_config, model_spec, resolve_max_model_len
 from runner.detokenizer import IncrementalDetokenizer
 from runner.outputs import CompletionOutput, PendingOutput, RequestMetrics, RequestOutput
@@ -89,10 +90,32 @@ def load_tokenizer(path: str):
         return None
     try:
         from transformers import AutoTokenizer
+        config = _tokenizer_folder_config(folder)
+        if config is not None:
+            try:
+                return AutoTokenizer.from_pretrained(path, config=config)
+            except (AttributeError, KeyError, OSError, TypeError, ValueError) as error:  # the plain call decides
+                logger.debug("AutoTokenizer with the folder's config failed (%s); letting it read the config", error)
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError) as error:
         logger.info("no tokenizer in %s (%s); prompts must be token ids", path, type(error).__name__)
         return None
+
+
+def _tokenizer_folder_config(folder: Path):
+    """The folder's config.json as models/config_json.py reads it, for AutoTokenizer's `config=`
+    (the model type and tokenizer class it picks the tokenizer class by): without it AutoTokenizer
+    builds transformers' config of the family, whose module imports transformers' image, video
+    and generation utilities (torchvision, torch._dynamo, scikit-learn where installed: seconds,
+    docs/PERFORMANCE.md "GPU: LLM to ready"). None where the folder has no readable config.json."""
+    if not (folder / "config.json").is_file():
+        return None
+    try:
+        config = read_config_json(folder / "config.json")
+    except ConfigFileError:
+        return None
+    config._name_or_path = str(folder)   # what AutoConfig records; AutoTokenizer matches hub ids on it
+    return config
 
 
 def eos_token_ids(path: str, spec, tokenizer) -> set[int]:
@@ -230,12 +253,7 @@ class LLMEngine:
 
     def _advance_matchers(self, sampled: dict[str, int]) -> dict[str, str]:
         """Each structured request's matcher takes its token; {request id: error} of the refused."""
-        structured, errors = self._structured, {}
-        for request_id in [r for r in sampled if r in structured.states]:
-            error = structured.accept(request_id, sampled[request_id])
-            if error is not None:
-                errors[request_id] = error
-        return errors
+        return self._structured.accept(sampled)
 
     def _accept_structured(self, result) -> list[tuple[RequestState, CompletionOutput | None]]:
         """Advance each structured request's matcher by its token (unless `_accept_early` did); a

@@ -161,11 +161,15 @@ def test_ready_line_breaks_the_start_up_down(tiny, caplog):
 
 
 def test_a_cpu_start_imports_neither_triton_nor_dynamo(tiny):
-    """Triton and torch._dynamo are seconds of imports a CPU engine never uses."""
+    """Triton and torch._dynamo are seconds of imports a CPU engine never uses; transformers' family
+    config module (read by AutoConfig, for the model or for AutoTokenizer) imports its image, video
+    and generation utilities, seconds more (models/config_json.py)."""
+    watched = ("triton", "torch._dynamo", "transformers.modeling_utils", "transformers.models.llama.configuration_llama")
     script = (f"import sys\nfrom runner import LLM, SamplingParams\n"
               f"llm = LLM(model={str(tiny)!r}, device='cpu', max_model_len=32, max_num_seqs=2)\n"
+              f"assert llm.engine.tokenizer is not None\n"
               f"llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)\n"
-              f"print(sorted(m for m in ('triton', 'torch._dynamo', 'transformers.modeling_utils') if m in sys.modules))")
+              f"print(sorted(m for m in {watched!r} if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stderr[-3000:]
