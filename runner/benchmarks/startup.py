@@ -1,6 +1,6 @@
 """Start-up: process start to first token (and to N tokens), engine vs HF transformers, side by side.
 
-    graphrunner bench startup [--model default] [--tokens 1 8] [--repeats 3] [--threads N]
+    graphrunner bench startup [--model default] [--tokens 1 8] [--repeats 3] [--threads N] [--gpu-tokenizer DIR]
                               [--gpu-shapes llama-3.2-1b qwen3-0.6b] [--no-cpu] [--smoke] [--out DIR]
 
 CPU, each in a fresh subprocess, alternating (engine, HF, engine, HF, ...) `--repeats` times per
@@ -23,6 +23,8 @@ the caches that run filled (warm), after one untimed run that fills Python's byt
 `gpu_rows`). `--no-cpu` leaves the CPU comparison out (a GPU machine
 without the embedded checkpoint). The seconds printed come from the child's own clock
 around `LLM(...)` plus the engine's start-up breakdown (load, profile, KV cache, compile, capture).
+With `--gpu-tokenizer DIR` each shape folder also holds that tokenizer's files, so `LLM(...)`
+loads a tokenizer as it does for a user's checkpoint.
 
 `--smoke`: a tiny random Llama (SmolLM2's tokenizer and vocabulary, 2 layers of width 64) written
 into the output folder (or a temporary one), `--tokens 1`, one repeat: the whole path in seconds,
@@ -137,8 +139,9 @@ def cpu_rows(path: str, token_counts: list[int], repeats: int, threads: int | No
     return rows
 
 
-def gpu_rows(shapes: list[str], folder: Path) -> list[dict]:
-    """Each shape: an untimed run first (its own throwaway kernel cache) so that Python's bytecode
+def gpu_rows(shapes: list[str], folder: Path, tokenizer: str | None = None) -> list[dict]:
+    """Each shape (with `tokenizer`'s files copied in, as a user's checkpoint has them, where
+    given): an untimed run first (its own throwaway kernel cache) so that Python's bytecode
     cache holds every module the start-up imports, as in an installed environment: children write
     their bytecode under one PYTHONPYCACHEPREFIX (where site-packages has no bytecode and is read-only,
     every process would otherwise compile the sources of torch and transformers again, seconds of
@@ -149,6 +152,8 @@ def gpu_rows(shapes: list[str], folder: Path) -> list[dict]:
     env.setdefault("PYTHONPYCACHEPREFIX", str(folder / "pycache"))
     for shape in shapes:
         path = write_config(shape, folder / shape)
+        if tokenizer:
+            copy_tokenizer(Path(tokenizer), path)
         with tempfile.TemporaryDirectory(prefix="graphrunner-bytecode-") as throwaway:
             run_child([sys.executable, "-c", GPU_SCRIPT, str(path), throwaway], env=env)
         with tempfile.TemporaryDirectory(prefix="graphrunner-cold-") as cache:
@@ -160,17 +165,21 @@ def gpu_rows(shapes: list[str], folder: Path) -> list[dict]:
     return rows
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def copy_tokenizer(source: Path, folder: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            (folder / name).write_bytes((source / name).read_bytes())
+
+
 def write_smoke_checkpoint(folder: Path, tokenizer_from: str) -> Path:
     """A tiny random Llama with SmolLM2's tokenizer (its vocabulary size), saved by transformers."""
-    import shutil
-
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     folder.mkdir(parents=True, exist_ok=True)
-    source = Path(tokenizer_from)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        if (source / name).is_file():
-            shutil.copy(source / name, folder / name)
+    copy_tokenizer(Path(tokenizer_from), folder)
     config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
@@ -209,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads on both sides (default: torch's)")
     parser.add_argument("--gpu-shapes", nargs="*", default=["llama-3.2-1b", "qwen3-0.6b"],
                         help="model shapes timed LLM(...) to ready on a GPU (none: skip)")
+    parser.add_argument("--gpu-tokenizer", metavar="DIR",
+                        help="a tokenizer folder copied into each GPU shape's folder, so LLM(...) loads it too")
     parser.add_argument("--no-cpu", action="store_true", help="skip the CPU comparison with HF (GPU rows only)")
     parser.add_argument("--smoke", action="store_true", help="tiny random checkpoint, 1 token, 1 repeat (tests)")
     add_out_argument(parser)
@@ -227,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                   "cpu": rows, "cpus": os.cpu_count()}
         import torch
         if torch.cuda.is_available() and args.gpu_shapes:
-            result["gpu"] = gpu_rows(args.gpu_shapes, Path(scratch))
+            result["gpu"] = gpu_rows(args.gpu_shapes, Path(scratch), args.gpu_tokenizer)
             print_gpu(result["gpu"])
     write_json(args.out, "startup.json", result)
     return 0
