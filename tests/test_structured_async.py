@@ -101,7 +101,7 @@ def test_a_terminated_matcher_gets_a_full_row(tiny):
             state.stop_token_ids = eos
             state.future.result(timeout=60)
         for token in (ord("a"), ord("b"), eos[0]):
-            assert manager.accept("done", token) is None
+            assert manager.accept({"done": token}) == {}
         assert manager.is_terminated("done")
 
         class Row:

@@ -133,17 +133,35 @@ def test_eos_only_where_the_grammar_may_end(llm):
 
         one = tokenizer.convert_tokens_to_ids("1")
         assert allowed()[one] and not allowed()[eos].any()
-        assert manager.accept("eos-check", one) is None
-        assert manager.accept("eos-check", one) is None
+        assert manager.accept({"eos-check": one}) == {}
+        assert manager.accept({"eos-check": one}) == {}
         mask = allowed()
         assert mask[eos].all() and int(mask.sum()) == len(eos)   # complete: only EOS
-        assert manager.accept("eos-check", one) is not None     # a third digit is refused
-        assert manager.accept("eos-check", eos[0]) is None and manager.is_terminated("eos-check")
+        assert "eos-check" in manager.accept({"eos-check": one})     # a third digit is refused
+        assert manager.accept({"eos-check": eos[0]}) == {} and manager.is_terminated("eos-check")
     finally:
         manager.remove("eos-check")
 
 
 @pytest.mark.slow
+def test_one_steps_accepts_fail_only_the_refused_rows(llm):
+    """`accept` takes a whole step's tokens in one xgrammar call: each matcher advances by its own
+    token, only the refused rows get an error, requests without a grammar are skipped."""
+    manager, tokenizer = llm.engine.structured_output, llm.tokenizer
+    ids = ["digits-a", "digits-b", "digits-c"]
+    for request_id in ids:
+        manager.add_request(request_id, StructuredOutputsParams(regex="[0-9]{2}")).future.result(timeout=60)
+    try:
+        one, letter = tokenizer.convert_tokens_to_ids("1"), tokenizer.convert_tokens_to_ids("a")
+        errors = manager.accept({"digits-a": one, "free": letter, "digits-b": letter, "digits-c": one})
+        assert list(errors) == ["digits-b"] and "sampled token" in errors["digits-b"]
+        assert manager.accept({"digits-a": one, "digits-c": one}) == {}          # both advanced by one digit
+        assert set(manager.accept({"digits-a": one, "digits-c": one})) == {"digits-a", "digits-c"}  # a third
+    finally:
+        for request_id in ids:
+            manager.remove(request_id)
+
+
 def test_fifty_random_json_schemas_greedy_and_sampled(llm):
     schemas = random_schemas(50, seed=0)
     prompts = [chat(llm, "Reply with JSON matching this schema: " + json.dumps(s)) for s in schemas]

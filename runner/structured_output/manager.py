@@ -6,7 +6,7 @@ The engine owns one StructuredOutputManager (it holds the tokenizer). For each s
    tokens from its matcher, written into a preallocated pinned host buffer while the device
    runs the forward, then copied to the device without a host sync;
 2. the sampler applies it to those rows (bitmask.py);
-3. the engine hands every sampled token of a structured request to `accept`: a token the
+3. the engine hands the step's sampled tokens to `accept` (one xgrammar call): a token the
    grammar refuses fails that request alone; a token that completes the grammar (a stop token
    the grammar allows only at an end state) terminates the matcher and the request ends "stop".
 
@@ -160,16 +160,24 @@ class StructuredOutputManager:
             index_tensor = index_tensor.pin_memory().to(self.device, non_blocking=True)
         return TokenBitmask(bitmask, index_tensor, self.vocab_size)
 
-    def accept(self, request_id: str, token: int) -> str | None:
-        """Advance the request's matcher by its sampled token; an error message if the grammar
-        refuses it (None for requests without structured output)."""
-        state = self.states.get(request_id)
-        if state is None:
-            return None
-        matcher = self._matcher(state)
-        if not matcher.accept_token(token):
-            return f"structured_outputs: the grammar does not accept the sampled token {token}"
-        return None
+    def accept(self, sampled: dict[str, int]) -> dict[str, str]:
+        """Advance each structured request's matcher by its sampled token (requests without
+        structured output are skipped); {request id: error message} of those whose grammar refuses
+        the token. One call into xgrammar for the whole step (`batch_accept_token`), not a Python
+        call per matcher: the accepts sit between a step's tokens and the next step's bitmask, on
+        the path the device waits on (docs/PERFORMANCE.md, "Structured output overhead")."""
+        ids = [request_id for request_id in sampled if request_id in self.states]
+        if not ids:
+            return {}
+        matchers = [self._matcher(self.states[request_id]) for request_id in ids]
+        tokens = [sampled[request_id] for request_id in ids]
+        if len(ids) == 1:
+            accepted = [matchers[0].accept_token(tokens[0])]
+        else:
+            from xgrammar import BatchGrammarMatcher
+            accepted = BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+        return {request_id: f"structured_outputs: the grammar does not accept the sampled token {token}"
+                for request_id, token, ok in zip(ids, tokens, accepted) if not ok}
 
     def is_terminated(self, request_id: str) -> bool:
         state = self.states.get(request_id)
