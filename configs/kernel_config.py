@@ -80,10 +80,10 @@ class KernelConfig(BaseModel):
     torch_dense_kv: bool = _field("GRAPHRUNNER_TORCH_DENSE_KV", "torch_dense_kv", True,
                                   "torch attention backend: keep a dense per-layer K/V copy instead of gathering "
                                   "the paged cache every layer [GRAPHRUNNER_TORCH_DENSE_KV]")
-    triton_sampling: bool = _field("GRAPHRUNNER_TRITON_SAMPLING", "triton_sampling", False,
-                                   "GPU: the random draw and the penalties in one Triton pass each "
-                                   "(runner/sampling/race_kernel.py, penalty_kernel.py); off by default: their "
-                                   "tests run in Triton's interpreter, the torch path is the one checked on GPUs "
+    triton_sampling: bool = _field("GRAPHRUNNER_TRITON_SAMPLING", "triton_sampling", True,
+                                   "GPU: the min-p/top-k/top-p thresholds in one Triton launch, the random draw "
+                                   "and the penalties in one Triton pass each (runner/sampling/threshold_kernel.py, "
+                                   "race_kernel.py, penalty_kernel.py); off: the torch ops, their reference "
                                    "[GRAPHRUNNER_TRITON_SAMPLING]")
     cache_dir: str = _field("GRAPHRUNNER_CACHE_DIR", "cache_dir", default_home,
                             "the one folder of every compiled-kernel cache: C libraries in <cache_dir>/native, "

@@ -13,8 +13,8 @@
 #   attention   decode attention bandwidth against a device-to-device copy
 #   throughput  offline throughput, nano-vllm's recipe (Qwen3-0.6B shape), against its bandwidth bound
 #               (with OLD_TREE=DIR also that tree's throughput, in the same run)
-#   features    the sampling stage at batch 1/32/256 (torch path, then the Triton draw and penalty
-#               kernels), structured output's cost at batch 32, and the OpenAI server against offline
+#   features    the sampling stage at batch 1/32/256 (the Triton kernels, the default, then the torch path)
+#               structured output's cost at batch 32, and the OpenAI server against offline
 #               generation with the engine in a thread and in its own process (Llama-3.2-1B shape)
 #   startup     LLM(...) to ready with empty then warm caches (Llama-3.2-1B, Qwen3-0.6B shapes), and
 #               weight loading to the GPU against reading the file
@@ -131,8 +131,8 @@ for stage in "${STAGES[@]}"; do
       python3 -c "import sys; from runner.benchmarks.model_shapes import write_config; write_config('llama-3.2-1b', sys.argv[1])" \
         "$served" && cp "$tok"/tokenizer* "$served"/
       step sampler 120 "${BENCH[@]}" sampler --device cuda --step-ms 1.434 --out "$OUT_DIR/sampler"
-      step sampler-triton 120 env GRAPHRUNNER_TRITON_SAMPLING=1 "${BENCH[@]}" sampler --device cuda --step-ms 1.434 \
-        --out "$OUT_DIR/sampler-triton"
+      step sampler-torch 120 env GRAPHRUNNER_TRITON_SAMPLING=0 "${BENCH[@]}" sampler --device cuda --step-ms 1.434 \
+        --out "$OUT_DIR/sampler-torch"
       step structured 200 "${BENCH[@]}" structured --shape llama-3.2-1b --batch 32 --steps 128 --tokenizer "$tok" \
         --out "$OUT_DIR/structured"
       serve=(serve --model "$served" --load-format dummy --num-prompts 256 --input-len 256 --output-len 128 --offline)

@@ -72,7 +72,7 @@ EVERY_SWITCH = {
     "GRAPHRUNNER_SMALL_BATCH_KERNELS": ("0", False),
     "GRAPHRUNNER_STEP_GRAPH": ("no", False),
     "GRAPHRUNNER_TORCH_DENSE_KV": ("0", False),
-    "GRAPHRUNNER_TRITON_SAMPLING": ("1", True),
+    "GRAPHRUNNER_TRITON_SAMPLING": ("0", False),
 }
 SECTIONS = {"ModelConfig": "model_config_", "CompilationConfig": "compilation", "ParallelConfig": "parallel",
             "KernelConfig": "kernel"}

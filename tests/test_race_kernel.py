@@ -67,7 +67,7 @@ def test_race_kernel_seeds_in_the_interpreter():
 def test_race_kernel_on_the_gpu(kernel_switches):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    kernel_switches(triton_sampling=True)   # the sampler's GPU path takes the kernel only when switched on
+    kernel_switches(triton_sampling=True)   # the default; the sampler's GPU path takes the kernel only then
     _check_distribution("cuda", 200000)
     _check_seeds("cuda")
     # The sampler's GPU path (thresholds + kernel) against the softmax of the kept tokens.

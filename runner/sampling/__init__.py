@@ -7,6 +7,7 @@
 - `state.py`: per-request state across steps: seeded generators, token counts on the device;
 - `sampler.py`: the batched sampler (greedy, temperature, min-p / top-k / top-p, seeds, logprobs);
   `race_kernel.py`: its random draw in one Triton pass over the logits on a GPU;
+  `threshold_kernel.py`: its min-p / top-k / top-p thresholds in one Triton launch on a GPU;
 - `logprobs.py`: logprobs in vLLM's shape; `bad_words.py`: bad words to token ids.
 """
 

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from launch.fast_launch import FastLaunch
+
 BLOCK = 2048
 
 
@@ -42,6 +44,9 @@ def _penalties_kernel(x_ptr, stride_x, rows_ptr, slots_ptr, counts_ptr, stride_c
     tl.store(x_ptr + row * stride_x + offs, x, mask=ok)
 
 
+_launch = FastLaunch(_penalties_kernel)   # launched every step: no JITFunction.run per call
+
+
 def apply_penalties(x: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, output_counts: torch.Tensor,
                     prompt_mask: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor,
                     presence: torch.Tensor) -> None:
@@ -51,7 +56,6 @@ def apply_penalties(x: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, ou
     num, vocab = rows.shape[0], x.shape[1]
     if num == 0:
         return
-    _penalties_kernel[(num, triton.cdiv(vocab, BLOCK))](
-        x, x.stride(0), rows, slots, output_counts, output_counts.stride(0), prompt_mask.view(torch.uint8),
-        prompt_mask.stride(0), repetition.reshape(-1), frequency.reshape(-1), presence.reshape(-1), vocab,
-        BLOCK=BLOCK, num_warps=8)
+    _launch((num, triton.cdiv(vocab, BLOCK)), x, x.stride(0), rows, slots, output_counts, output_counts.stride(0),
+            prompt_mask.view(torch.uint8), prompt_mask.stride(0), repetition.reshape(-1), frequency.reshape(-1),
+            presence.reshape(-1), vocab, BLOCK, device_index=x.device.index or 0, num_warps=8)

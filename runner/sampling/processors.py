@@ -54,6 +54,18 @@ class _Penalties:
 
 
 @dataclass
+class _StateRows:
+    """The rows whose sampled tokens `SamplingStates.record` counts after each step, with what it
+    needs kept for the plan's steps (so a step launches only the record itself)."""
+    rows: torch.Tensor        # [S] int64, rows of the batch
+    slots: torch.Tensor       # [S] int64, their SamplingStates slots
+    offsets: torch.Tensor     # [S] int64, slots * vocab_size: the slots' rows in the flattened counts
+    ones: torch.Tensor        # [S] int32
+    all_rows: bool
+    """Every row of the batch, in order: the sampled tokens are recorded as they are, no gather."""
+
+
+@dataclass
 class _BadWordPrefixes:
     """Multi-token bad words: ban `last` in `rows` where the output's tail equals `prefix`."""
     rows: torch.Tensor        # [B] int64
@@ -74,8 +86,7 @@ class LogitsProcessors:
     bad_word_prefixes: _BadWordPrefixes | None = None
     penalties: _Penalties | None = None
     states: SamplingStates | None = None
-    state_rows: tuple[torch.Tensor, torch.Tensor] | None = None
-    """(rows, slots) whose sampled tokens `SamplingStates.record` counts after the step."""
+    state_rows: _StateRows | None = None
 
     @classmethod
     def build(cls, reqs: list[ScheduledRequest], states: SamplingStates, vocab_size: int,
@@ -150,7 +161,10 @@ class LogitsProcessors:
                                        any(p or f for p, f in zip(presence, frequency)),
                                        pen_rows == list(range(len(reqs))))
         if state_rows:
-            out.state_rows = (ints(state_rows), ints(state_slots))
+            # One upload: rows, slots, offsets.
+            rows, slots, offsets = ints(state_rows + state_slots + [s * vocab_size for s in state_slots]).view(3, -1)
+            out.state_rows = _StateRows(rows, slots, offsets, torch.ones_like(rows, dtype=torch.int32),
+                                        state_rows == list(range(len(reqs))))
         return out
 
     def apply(self, logits: torch.Tensor, inplace: bool = False) -> torch.Tensor:
@@ -204,6 +218,6 @@ class LogitsProcessors:
 
     def record(self, sampled: torch.Tensor) -> None:
         """After sampling: count the step's tokens into the requests' state (on the device)."""
-        if self.state_rows is not None:
-            rows, slots = self.state_rows
-            self.states.record(slots, sampled[rows])
+        r = self.state_rows
+        if r is not None:
+            self.states.record(r.slots, sampled if r.all_rows else sampled[r.rows], r.offsets, r.ones)

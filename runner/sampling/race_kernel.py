@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from launch.fast_launch import FastLaunch
+
 BLOCK = 1024
 SEED_BOUND = 2 ** 31 - 1
 
@@ -50,6 +52,9 @@ def _race_kernel(x_ptr, stride_x, temp_ptr, threshold_ptr, seed_ptr, out_ptr, V,
     tl.store(out_ptr + row, tl.where(first == 2147483647, 0, first).to(tl.int64))
 
 
+_launch = FastLaunch(_race_kernel)   # launched every step: no JITFunction.run per call
+
+
 def row_seeds(rows: int, generators: dict[int, torch.Generator], device: torch.device) -> torch.Tensor:
     """int64 [rows] on `device`: a seed per row from the default generator, seeded rows' from their
     own (each advances once per step; no host sync)."""
@@ -70,6 +75,6 @@ def race(logits: torch.Tensor, temperature: torch.Tensor, threshold: torch.Tenso
         return out
     if threshold is None:
         threshold = torch.full((rows,), float("-inf"), dtype=torch.float32, device=logits.device)
-    _race_kernel[(rows,)](logits, logits.stride(0), temperature.reshape(-1).float(), threshold.reshape(-1).float(),
-                          seeds, out, vocab, BLOCK=BLOCK, num_warps=8)
+    _launch((rows,), logits, logits.stride(0), temperature.reshape(-1).float(), threshold.reshape(-1).float(),
+            seeds, out, vocab, BLOCK, device_index=logits.device.index or 0, num_warps=8)
     return out

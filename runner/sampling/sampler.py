@@ -9,6 +9,7 @@ The sampler never reads a device value back to the host, so it adds no sync.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,21 @@ def _greedy_kernels():
     except ImportError:
         return None
     return greedy
+
+
+def _triton_sampling(logits: torch.Tensor) -> bool:
+    """Whether the GPU sampling kernels take these logits (KernelConfig.triton_sampling)."""
+    return logits.is_cuda and logits.stride(1) == 1 and active_kernel_config().triton_sampling
+
+
+@functools.cache
+def _threshold_kernel():
+    """runner/sampling/threshold_kernel.py (Triton), or None where Triton is not installed."""
+    try:
+        from runner.sampling import threshold_kernel
+    except ImportError:
+        return None
+    return threshold_kernel
 
 
 @functools.cache
@@ -57,18 +73,29 @@ class SamplingMetadata:
     """Per-row sampling parameters as device tensors, plus host-side fast-path flags.
 
     The flags are computed on the host from the params, so the sampler can skip work
-    (a sort, a softmax) without reading tensors back from the device.
+    (a sort, a softmax) without reading tensors back from the device. The derived columns
+    (`scale` ... `top_k_index`) are what every step of the same rows needs from the params:
+    computed once here (the stage keeps the metadata for the next steps with the same rows), so a
+    step launches no kernel to rebuild them.
     """
 
     temperature: torch.Tensor  # [N] float32; < _SAMPLING_EPS means greedy
     top_k: torch.Tensor  # [N] int64; 0 = off (the sampler treats it as vocab size)
     top_p: torch.Tensor  # [N] float32; 1.0 = off
     min_p: torch.Tensor  # [N] float32; 0.0 = off
+    greedy: torch.Tensor  # [N] bool: temperature < _SAMPLING_EPS
+    scale: torch.Tensor  # [N, 1] float32: the temperature, 1 for greedy rows (their draw is discarded)
+    min_p_offset: torch.Tensor  # [N, 1] float32: scale * log(min_p), -inf where min-p is off
+    top_p_column: torch.Tensor  # [N, 1] float32: top_p
+    top_p_on: torch.Tensor  # [N, 1] bool: top_p < 1
+    top_k_on: torch.Tensor  # [N, 1] bool: top_k > 0
+    top_k_index: torch.Tensor  # [N, 1] int64: max(top_k, 1) - 1, the k-th largest value's index
     all_greedy: bool
     all_random: bool
     no_top_k: bool
     no_top_p: bool
     no_min_p: bool
+    max_top_k: int = 0
     candidates: int = 0
     """How many of each row's largest values the top-k/top-p thresholds need (host): the largest
     top_k, or 0 (the whole vocabulary, a full sort) when a row asks for top-p without top-k."""
@@ -81,29 +108,53 @@ class SamplingMetadata:
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], generators: dict[int, torch.Generator],
-                    device: torch.device | str, processors: LogitsProcessors | None = None) -> SamplingMetadata:
+                    device: torch.device | str, processors: LogitsProcessors | None = None,
+                    to_device: Callable[[torch.Tensor], torch.Tensor] | None = None) -> SamplingMetadata:
         """Builds the metadata for a batch whose row i samples with params[i].
 
-        Generators of greedy rows are dropped: greedy rows draw no random numbers.
+        The columns are computed on the host and moved with three uploads (floats, ints, flags) by
+        `to_device` (default: `.to(device)`); the fields are views of them. Generators of greedy
+        rows are dropped: greedy rows draw no random numbers.
         """
         greedy = [p.temperature < _SAMPLING_EPS for p in params]
         top_k = [max(p.top_k, 0) for p in params]  # -1 and 0 both mean off
         requested = [p.logprobs for p in params if p.logprobs is not None]
+        floats, ints, flags = _columns(params, greedy, top_k)
+        move = to_device or (lambda t: t.to(device))
+        floats, ints, flags = move(floats), move(ints), move(flags)
+        temperature, top_p, min_p, scale, min_p_offset = floats
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            temperature=temperature, top_k=ints[0], top_p=top_p, min_p=min_p, greedy=flags[0],
+            scale=scale.unsqueeze(1), min_p_offset=min_p_offset.unsqueeze(1), top_p_column=top_p.unsqueeze(1),
+            top_p_on=flags[1].unsqueeze(1), top_k_on=flags[2].unsqueeze(1), top_k_index=ints[1].unsqueeze(1),
             all_greedy=all(greedy),
             all_random=not any(greedy),
             no_top_k=all(k == 0 for k in top_k),
             no_top_p=all(p.top_p >= 1.0 for p in params),
             no_min_p=all(p.min_p <= 0.0 for p in params),
-            candidates=0 if any(k == 0 and p.top_p < 1.0 for k, p in zip(top_k, params)) else max(top_k),
+            max_top_k=max(top_k, default=0),
+            candidates=0 if any(k == 0 and p.top_p < 1.0 for k, p in zip(top_k, params)) else max(top_k, default=0),
             generators={i: g for i, g in generators.items() if not greedy[i]},
             max_num_logprobs=max(requested) if requested else None,
             processors=processors,
         )
+
+
+def _columns(params: list[SamplingParams], greedy: list[bool],
+             top_k: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The host tensors of `SamplingMetadata.from_params`: float32 [5, N] (temperature, top_p,
+    min_p, scale, min_p_offset), int64 [2, N] (top_k, top-k index), bool [3, N] (greedy, top-p on,
+    top-k on). The derived floats are computed in float32 by torch, as the sampler used to per step."""
+    floats = torch.empty(5, len(params), dtype=torch.float32)
+    floats[0] = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    floats[1] = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+    floats[2] = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+    greedy_rows = torch.tensor(greedy, dtype=torch.bool)
+    floats[3] = floats[0].masked_fill(greedy_rows, 1.0)
+    floats[4] = floats[3] * floats[2].log()   # min_p = 0: log 0 = -inf, which masks nothing
+    ints = torch.tensor([top_k, [max(k, 1) - 1 for k in top_k]], dtype=torch.int64).view(2, len(params))
+    flags = torch.stack([greedy_rows, floats[1] < 1.0, torch.tensor(top_k, dtype=torch.int64) > 0])
+    return floats, ints, flags
 
 
 @dataclass
@@ -138,7 +189,13 @@ class Sampler:
     """
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        raw = logits.float()  # no-op for float32; only the structured-output mask writes into it
+        # float32 logits only where something writes into them or reads them at full precision
+        # (the mask, the processors, logprobs); else the model's dtype is read as it is (a bf16
+        # value is exact in float32, so every threshold and compare gives what a copy would).
+        raw = logits
+        if (metadata.token_bitmask is not None or metadata.processors is not None
+                or metadata.max_num_logprobs is not None):
+            raw = logits.float()  # no-op for float32; only the structured-output mask writes into it
         # A copy made here (bf16 logits) may be changed in place when the raw values are not needed.
         owned = raw is not logits and metadata.max_num_logprobs is None
         logits = raw
@@ -151,55 +208,70 @@ class Sampler:
         if metadata.all_greedy:
             sampled = greedy_ids
         else:
-            kernel = (_race_kernel() if logits.is_cuda and logits.stride(1) == 1 and active_kernel_config().triton_sampling
-                      else None)
+            kernel = _race_kernel() if _triton_sampling(logits) else None
             if kernel is not None:  # one pass over the logits (runner/sampling/race_kernel.py)
-                threshold = self.threshold(logits, metadata)
-                sampled = kernel.race(logits, self._temperature(metadata), threshold,
+                sampled = kernel.race(logits, metadata.scale, self.threshold(logits, metadata),
                                       kernel.row_seeds(logits.shape[0], metadata.generators, logits.device))
             else:
                 sampled = self._race(self.masked_logits(logits, metadata, inplace=owned), metadata.generators)
             if greedy_ids is not None:
-                sampled = torch.where(metadata.temperature < _SAMPLING_EPS, greedy_ids, sampled)
+                sampled = torch.where(metadata.greedy, greedy_ids, sampled)
         logprobs = None
         if metadata.max_num_logprobs is not None:
             logprobs = self._logprobs(raw, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
-    @staticmethod
-    def _temperature(metadata: SamplingMetadata) -> torch.Tensor:
-        """[N, 1]: the rows' temperatures, 1 for greedy rows (their draw is discarded anyway)."""
-        return metadata.temperature.masked_fill(metadata.temperature < _SAMPLING_EPS, 1.0).unsqueeze(1)
-
     def masked_logits(self, logits: torch.Tensor, metadata: SamplingMetadata, inplace: bool = False) -> torch.Tensor:
-        """Temperature-scaled logits with every filtered-out token set to -inf (a new tensor, or
-        `logits` itself when `inplace`): every filter is one per-row threshold (`threshold`)."""
-        temp = self._temperature(metadata)
+        """Temperature-scaled float32 logits with every filtered-out token set to -inf (a new
+        tensor, or `logits` itself when `inplace`, float32 logits the caller owns): every filter is
+        one per-row threshold (`threshold`)."""
         threshold = self.threshold(logits, metadata)
         drop = None if threshold is None else logits < threshold
-        x = logits.div_(temp) if inplace else logits / temp
+        x = logits.div_(metadata.scale) if inplace else logits / metadata.scale   # float32 either way
         if drop is not None:
             x = x.masked_fill_(drop, float("-inf"))
         return x
 
     def threshold(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor | None:
-        """[N, 1]: the smallest logit min-p, top-k and top-p keep in each row (None: no filter).
+        """[N, 1] float32: the smallest logit min-p, top-k and top-p keep in each row (None: no filter).
 
         On the logits before temperature (dividing by a positive temperature keeps their order),
         so no scaled copy of the batch is needed: min-p from the row's maximum, top-k and top-p
-        from the row's largest values only (`_top_k_top_p_threshold`: a top-k of the largest
-        top_k, no sort of the vocabulary unless a row asks for top-p without top-k).
+        from the row's largest values only (a top-k of the largest top_k, no sort of the
+        vocabulary unless a row asks for top-p without top-k). On a GPU with Triton sampling on,
+        one launch after the top-k (runner/sampling/threshold_kernel.py); else torch ops
+        (`_top_k_top_p_threshold`), the reference of that kernel.
         """
+        if metadata.no_min_p and metadata.no_top_k and metadata.no_top_p:
+            return None
+        kernel = _threshold_kernel() if _triton_sampling(logits) else None
+        if kernel is not None:
+            values, k = self._candidates(logits, metadata, extra=1)
+            return kernel.thresholds(values, k, logits, metadata.scale, metadata.min_p_offset, metadata.top_k,
+                                     metadata.top_p)
         threshold = None
         if not metadata.no_min_p:
             # p_i < min_p * p_max  <=>  x_i / T < x_max / T + log(min_p): no softmax needed.
             # min_p = 0 gives log 0 = -inf, which masks nothing.
-            log_min_p = metadata.min_p.log().unsqueeze(1)
-            threshold = logits.amax(dim=-1, keepdim=True) + self._temperature(metadata) * log_min_p
+            threshold = logits.amax(dim=-1, keepdim=True).float() + metadata.min_p_offset
         if not (metadata.no_top_k and metadata.no_top_p):
             top = self._top_k_top_p_threshold(logits, metadata, threshold)
             threshold = top if threshold is None else torch.maximum(threshold, top)
         return threshold
+
+    @staticmethod
+    def _candidates(x: torch.Tensor, metadata: SamplingMetadata, extra: int = 0) -> tuple[torch.Tensor, int]:
+        """(values, k): each row's largest values, sorted, largest first: the `k` that the
+        thresholds need (the largest top_k, or the whole vocabulary when a row asks for top-p
+        without top-k) and `extra` more where the vocabulary has them; just the maximum (k = 1)
+        for min-p alone. In the logits' dtype."""
+        vocab = x.shape[-1]
+        if metadata.no_top_k and metadata.no_top_p:
+            return x.amax(dim=-1, keepdim=True), 1
+        k = metadata.candidates if 0 < metadata.candidates < vocab else vocab
+        if k == vocab:
+            return x.sort(dim=-1, descending=True).values, vocab
+        return x.topk(min(k + extra, vocab), dim=-1).values, k
 
     def _top_k_top_p_threshold(self, x: torch.Tensor, metadata: SamplingMetadata,
                                min_p_threshold: torch.Tensor | None) -> torch.Tensor:
@@ -218,23 +290,21 @@ class Sampler:
         their number (one compare over the row) adds their mass to the renormalization.
         """
         vocab = x.shape[-1]
-        k_max = metadata.candidates if 0 < metadata.candidates < vocab else vocab
-        if k_max == vocab:
-            values = x.sort(dim=-1, descending=True).values
-        else:
-            values = x.topk(k_max, dim=-1).values  # sorted, largest first
+        values, k_max = self._candidates(x, metadata)
+        values = values.float()
         if min_p_threshold is not None:
             values = values.masked_fill(values < min_p_threshold, float("-inf"))
         neg_inf = float("-inf")   # a Python scalar: no upload
-        top_k = metadata.top_k
         if metadata.no_top_k:
             k_threshold = values.new_full((x.shape[0], 1), neg_inf)
         else:
-            index = (top_k.clamp(max=k_max) - 1).clamp(min=0).unsqueeze(1)
-            k_threshold = torch.where((top_k > 0).unsqueeze(1), values.gather(1, index), neg_inf)
+            index = metadata.top_k_index
+            if metadata.max_top_k > k_max:   # top_k past the vocabulary
+                index = index.clamp(max=k_max - 1)
+            k_threshold = torch.where(metadata.top_k_on, values.gather(1, index), neg_inf)
         if metadata.no_top_p:
             return k_threshold
-        temp = self._temperature(metadata)
+        temp = metadata.scale
         kept = (values >= k_threshold) & (values > float("-inf"))   # a prefix; min-p's -inf never
         weights = torch.where(kept, torch.exp((values - values[:, :1]) / temp), 0.0)
         total = weights.sum(dim=-1, keepdim=True)
@@ -243,9 +313,9 @@ class Sampler:
             finite = torch.isfinite(k_threshold)
             total = total + torch.where(finite, beyond * torch.exp((k_threshold - values[:, :1]) / temp), 0.0)
         above = weights.cumsum(dim=-1) - weights   # mass of the candidates before each
-        keep_p = kept & (above < metadata.top_p.unsqueeze(1) * total)
+        keep_p = kept & (above < metadata.top_p_column * total)
         last = (keep_p.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
-        p_threshold = torch.where((metadata.top_p < 1.0).unsqueeze(1), values.gather(1, last), neg_inf)
+        p_threshold = torch.where(metadata.top_p_on, values.gather(1, last), neg_inf)
         return torch.maximum(k_threshold, p_threshold)
 
     @staticmethod

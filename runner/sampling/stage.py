@@ -10,7 +10,6 @@ logprobs or a logit processor).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -109,12 +108,7 @@ class SamplingStage:
         if processors is not None or not all(p.temperature == 0.0 and p.logprobs is None for p in params):
             generators = {row: self.states.generator(req) for row, req in enumerate(reqs)
                           if req.sampling_params.seed is not None}
-            metadata = SamplingMetadata.from_params(params, generators, "cpu", processors)
-            if self.device.type != "cpu":
-                metadata = dataclasses.replace(
-                    metadata, temperature=self.to_device(metadata.temperature),
-                    top_k=self.to_device(metadata.top_k), top_p=self.to_device(metadata.top_p),
-                    min_p=self.to_device(metadata.min_p))
+            metadata = SamplingMetadata.from_params(params, generators, self.device, processors, self.to_device)
         request_ids = list(key[0])
         num_logprobs = [p.logprobs for p in params]
         self._last_plan = plan = _Plan(key, processors, metadata, request_ids,

@@ -49,7 +49,8 @@ class SamplingStates:
         self._free: list[int] = []
         self.output_counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
         self.prompt_mask = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
-        self.recent = torch.full((0, 1), -1, dtype=torch.int64, device=device)
+        # No window until a request has a multi-token bad word: `record` then skips it.
+        self.recent = torch.full((0, 0), -1, dtype=torch.int64, device=device)
 
     # ---- lifetime ------------------------------------------------------------------------
     def release(self, request_ids) -> None:
@@ -108,8 +109,17 @@ class SamplingStates:
         self._free.extend(range(new - 1, old - 1, -1))
 
     # ---- per step --------------------------------------------------------------------------
-    def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """The step's sampled `tokens` of the rows whose requests hold `slots` (device tensors)."""
-        self.output_counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+    def record(self, slots: torch.Tensor, tokens: torch.Tensor, offsets: torch.Tensor | None = None,
+               ones: torch.Tensor | None = None) -> None:
+        """The step's sampled `tokens` of the rows whose requests hold `slots` (device tensors; a
+        slot at most once). The counts take one `index_add_` on the flattened tensor at
+        `slot * vocab_size + token` (not `index_put_(accumulate=True)`, which sorts its indices on
+        a GPU: many launches). `offsets` (slots * vocab_size, int64) and `ones` (int32, one per
+        slot) are what a plan keeps for its steps; computed here when not given."""
+        if offsets is None:
+            offsets = slots * self.vocab_size
+        if ones is None:
+            ones = torch.ones_like(tokens, dtype=torch.int32)
+        self.output_counts.view(-1).index_add_(0, offsets + tokens, ones)
         if self.recent.shape[1]:
             self.recent[slots] = torch.cat([self.recent[slots, 1:], tokens.unsqueeze(1)], dim=1)
