@@ -38,6 +38,15 @@ MAX_CANDIDATE_BLOCK = 4096
 
 
 @triton.jit
+def _candidate_weights(values, off, K, k_threshold, min_p_threshold, v0, scale, BLOCK: tl.constexpr):
+    """One block of the candidates: which min-p and top-k keep, and their exp((v - max) / T)."""
+    idx = off + tl.arange(0, BLOCK)
+    v = tl.load(values + idx, mask=idx < K, other=float("-inf")).to(tl.float32)
+    kept = (v >= k_threshold) & (v >= min_p_threshold) & (v > float("-inf"))
+    return kept, tl.where(kept, tl.exp((v - v0) / scale), 0.0)
+
+
+@triton.jit
 def _threshold_kernel(values_ptr, stride_v, x_ptr, stride_x, scale_ptr, offset_ptr, top_k_ptr, top_p_ptr, out_ptr,
                       V, C, K, BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -58,10 +67,8 @@ def _threshold_kernel(values_ptr, stride_v, x_ptr, stride_x, scale_ptr, offset_p
     total = 0.0
     kept_count = 0
     for off in range(0, n, BLOCK):
-        idx = off + tl.arange(0, BLOCK)
-        v = tl.load(values + idx, mask=idx < K, other=neg_inf).to(tl.float32)
-        kept = (v >= k_threshold) & (v >= min_p_threshold) & (v > neg_inf)
-        total += tl.sum(tl.where(kept, tl.exp((v - v0) / scale), 0.0), axis=0)
+        kept, w = _candidate_weights(values, off, K, k_threshold, min_p_threshold, v0, scale, BLOCK)
+        total += tl.sum(w, axis=0)
         kept_count += tl.sum(kept.to(tl.int32), axis=0)
 
     # Tokens tied with the k-th value past the candidates: possible only where the extra
@@ -82,10 +89,7 @@ def _threshold_kernel(values_ptr, stride_v, x_ptr, stride_x, scale_ptr, offset_p
     carry = 0.0
     kept_p = 0
     for off in range(0, n, BLOCK):
-        idx = off + tl.arange(0, BLOCK)
-        v = tl.load(values + idx, mask=idx < K, other=neg_inf).to(tl.float32)
-        kept = (v >= k_threshold) & (v >= min_p_threshold) & (v > neg_inf)
-        w = tl.where(kept, tl.exp((v - v0) / scale), 0.0)
+        kept, w = _candidate_weights(values, off, K, k_threshold, min_p_threshold, v0, scale, BLOCK)
         cumulative = tl.cumsum(w, axis=0) + carry
         kept_p += tl.sum((kept & (cumulative - w < bound)).to(tl.int32), axis=0)
         carry = tl.max(cumulative, axis=0)
