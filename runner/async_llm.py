@@ -204,8 +204,9 @@ class AsyncLLM:
     def from_config(cls, config: EngineConfig, engine_process: bool = False, **kwargs) -> "AsyncLLM":
         if not engine_process:
             return cls(LLMEngine(config), **kwargs)
-        from runner.engine import load_tokenizer, resolve_model_path
+        from runner.engine import resolve_model_path
         from runner.engine_process import EngineProcessClient
+        from runner.tokenizer import load_tokenizer
         path = resolve_model_path(config.model.model)  # builds the embedded model once, here
         config = config.model_copy(update={"model": config.model.model_copy(update={"model": path})})
         client = EngineProcessClient(config)

@@ -11,12 +11,10 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from configs import EngineConfig, SamplingParams
-from models.config_json import ConfigFileError, read_config_json
 from models.hf_config import load_hf_config, model_spec, resolve_max_model_len
 from runner.detokenizer import IncrementalDetokenizer
 from runner.outputs import CompletionOutput, PendingOutput, RequestMetrics, RequestOutput
@@ -25,6 +23,7 @@ from runner.request import Request, RequestStatus
 from runner.request_state import ParentRequest, RequestState, completion_output, request_output
 from runner.sampling.bad_words import bad_words_token_ids
 from runner.scheduler import Scheduler
+from runner.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -76,46 +75,6 @@ def resolve_model_path(model: str) -> str:
         from models.embedded import ensure_smollm2
         return str(ensure_smollm2())
     return model
-
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-def load_tokenizer(path: str):
-    """The checkpoint's tokenizer, or None when it ships none (prompts must then be token ids).
-    Looks for the files first: transformers may otherwise build an empty tokenizer from config.json."""
-    folder = Path(path)
-    if folder.is_dir() and not any((folder / name).is_file() for name in _TOKENIZER_FILES):
-        logger.info("no tokenizer files in %s; prompts must be token ids", path)
-        return None
-    try:
-        from transformers import AutoTokenizer
-        config = _tokenizer_folder_config(folder)
-        if config is not None:
-            try:
-                return AutoTokenizer.from_pretrained(path, config=config)
-            except (AttributeError, KeyError, OSError, TypeError, ValueError) as error:  # the plain call decides
-                logger.debug("AutoTokenizer with the folder's config failed (%s); letting it read the config", error)
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError) as error:
-        logger.info("no tokenizer in %s (%s); prompts must be token ids", path, type(error).__name__)
-        return None
-
-
-def _tokenizer_folder_config(folder: Path):
-    """The folder's config.json as models/config_json.py reads it, for AutoTokenizer's `config=`
-    (the model type and tokenizer class it picks the tokenizer class by): without it AutoTokenizer
-    builds transformers' config of the family, whose module imports transformers' image, video
-    and generation utilities (torchvision, torch._dynamo, scikit-learn where installed: seconds,
-    docs/PERFORMANCE.md "GPU: LLM to ready"). None where the folder has no readable config.json."""
-    if not (folder / "config.json").is_file():
-        return None
-    try:
-        config = read_config_json(folder / "config.json")
-    except ConfigFileError:
-        return None
-    config._name_or_path = str(folder)   # what AutoConfig records; AutoTokenizer matches hub ids on it
-    return config
 
 
 def eos_token_ids(path: str, spec, tokenizer) -> set[int]:

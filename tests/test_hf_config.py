@@ -9,7 +9,6 @@ torch_dtype, most fields left to the family's defaults)."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -179,28 +178,3 @@ def test_reading_a_config_imports_no_transformers_model_module(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
-
-def test_the_tokenizer_loaded_with_our_config_is_autotokenizers(tmp_path):
-    """runner/engine.load_tokenizer hands AutoTokenizer our config (so it builds none of its own):
-    the same tokenizer class, ids, special tokens and chat template as AutoTokenizer alone, and the
-    same where the tokenizer's folder has no config.json."""
-    from transformers import AutoTokenizer
-
-    from checkpoints import make_tiny_checkpoint
-    from runner.engine import load_tokenizer
-    path, _ = make_tiny_checkpoint(tmp_path / "llama", "llama_gqa")
-    texts = ["Hello, world!", "  spaces\tand\nlines ", "ünïcødé ✓"]
-
-    def same(ours, theirs):
-        assert type(ours) is type(theirs)
-        assert [ours(t).input_ids for t in texts] == [theirs(t).input_ids for t in texts]
-        assert (ours.bos_token_id, ours.eos_token_id, ours.chat_template) == (
-            theirs.bos_token_id, theirs.eos_token_id, theirs.chat_template)
-
-    same(load_tokenizer(str(path)), AutoTokenizer.from_pretrained(path))
-    alone = tmp_path / "tokenizer-only"   # a --tokenizer folder without config.json: AutoTokenizer alone
-    alone.mkdir()
-    for file in path.iterdir():
-        if file.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            shutil.copy(file, alone / file.name)
-    same(load_tokenizer(str(alone)), AutoTokenizer.from_pretrained(alone))
