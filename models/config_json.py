@@ -66,9 +66,6 @@ class HFConfig:
     def __init__(self, fields: dict[str, Any]) -> None:
         self.__dict__.update(fields)
 
-    def to_dict(self) -> dict[str, Any]:
-        return copy.deepcopy(self.__dict__)
-
     def __repr__(self) -> str:
         return f"HFConfig({self.__dict__!r})"
 

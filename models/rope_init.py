@@ -96,17 +96,12 @@ def _longrope(config, params: dict, seq_len: int | None) -> tuple[torch.Tensor, 
 ROPE_TYPES = {"default": _default, "linear": _linear, "llama3": _llama3, "yarn": _yarn, "longrope": _longrope}
 
 
-def rope_parameters_of(config, layer_type: str | None = None) -> dict:
-    params = config.rope_parameters
-    return params[layer_type] if layer_type is not None else params
-
-
 def rope_inverse_frequencies(config, layer_type: str | None = None,
                              max_positions: int | None = None) -> tuple[torch.Tensor, float]:
     """float32 inverse frequencies [rotated dim / 2] and the attention scaling of the config's RoPE
     (of `layer_type`'s where the config keeps one per layer type). `max_positions` picks longrope's
     factors."""
-    params = rope_parameters_of(config, layer_type)
+    params = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
     rope_type = params.get("rope_type") or "default"
     if rope_type == "dynamic":
         raise ValueError(f"rope type {rope_type!r} depends on the sequence length at run time; unsupported")
