@@ -136,7 +136,7 @@ for stage in "${STAGES[@]}"; do
       step structured 200 "${BENCH[@]}" structured --shape llama-3.2-1b --batch 32 --steps 128 --tokenizer "$tok" \
         --out "$OUT_DIR/structured"
       serve=(serve --model "$served" --load-format dummy --num-prompts 256 --input-len 256 --output-len 128 --offline)
-      step serve-thread 240 "${BENCH[@]}" "${serve[@]}" --out "$OUT_DIR/serve-thread"
+      step serve-thread 240 "${BENCH[@]}" "${serve[@]}" --no-engine-process --out "$OUT_DIR/serve-thread"
       step serve-process 240 "${BENCH[@]}" "${serve[@]}" --engine-process --out "$OUT_DIR/serve-process"
       ;;
     startup)

@@ -25,8 +25,8 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=["thread", "process"])
 def server(checkpoint, request):
-    """The engine in a thread of the server, and in its own process (--engine-process)."""
-    placement = ["--engine-process"] if request.param == "process" else []
+    """The engine in a thread of the server (--no-engine-process), and in its own process (the default on a GPU)."""
+    placement = [] if request.param == "process" else ["--no-engine-process"]
     process = ServerProcess([checkpoint, "--served-model-name", "default", "--device", "cuda",
                              "--max-model-len", "1024", "--gpu-memory-utilization", "0.4", *placement], timeout=600)
     yield process

@@ -136,3 +136,18 @@ def test_bench_serve_starts_an_engine_process_server_and_compares_offline(tmp_pa
     assert report["server"]["cpu_seconds"] > 0 and report["offline"]["output_tokens"] == 16
     assert report["ratios"]["server_over_offline_tokens_per_s"] > 0
     assert report["ratios"]["server_over_offline_cpu_per_token"] > 0
+
+
+@pytest.mark.parametrize("choice, device, expected", [(None, "cpu", False), (None, "auto", None), (True, "cpu", True),
+                                                      (False, "auto", False)])
+def test_engine_placement_defaults_to_a_process_on_a_gpu(choice, device, expected):
+    """--engine-process / --no-engine-process decide; without either, a process where the engine
+    runs on a GPU ("auto" resolves to one when torch sees one) and a thread on a CPU."""
+    import torch
+
+    from configs import EngineConfig, ServerConfig
+    from runner.server.api_server import engine_in_own_process
+    if expected is None:
+        expected = torch.cuda.is_available()
+    engine_config = EngineConfig.from_kwargs(model="default", device=device)
+    assert engine_in_own_process(ServerConfig(engine_process=choice), engine_config) is expected

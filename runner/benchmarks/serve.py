@@ -10,8 +10,9 @@ here, and stops it afterwards. `--offline` then also runs, in this process after
 stopped (so both never share a GPU), the same requests through `LLM.generate`, and a single
 stream of `--single-stream-requests` requests (concurrency 1) against the offline batch-1 decode
 step, and prints the two goals' ratios: server / offline output tokens/s at saturation and
-server single-stream median ITL / offline batch-1 decode step. `--engine-process` starts the
-server with its engine in its own process (the default: a thread of the server), so the two
+server single-stream median ITL / offline batch-1 decode step. `--engine-process` /
+`--no-engine-process` start the server with its engine in its own process / a thread of the
+server (default: the server's own default, a process on a GPU and a thread on a CPU), so the two
 placements are compared with the same command.
 
 Random token ids are drawn from [100, 10000): inside any real vocabulary, clear of most special
@@ -246,7 +247,8 @@ def _start_server(args: argparse.Namespace):
     import subprocess
     import threading
     command = [sys.executable, "-m", "runner.cli", "serve", args.model, "--host", "127.0.0.1", "--port", "0",
-               *(["--engine-process"] if args.engine_process else []), *_server_flags(args)]
+               *({True: ["--engine-process"], False: ["--no-engine-process"]}.get(args.engine_process, [])),
+               *_server_flags(args)]
     print("starting:", " ".join(command), flush=True)
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     found, url = threading.Event(), []
@@ -282,8 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--offline", action="store_true", help="also run LLM.generate and print the goal ratios")
     parser.add_argument("--single-stream-requests", type=int, default=4,
                         help="requests of the concurrency-1 phase (--offline)")
-    parser.add_argument("--engine-process", action="store_true",
-                        help="the started server runs its engine in its own process (serve --engine-process)")
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                        help="the started server runs its engine in its own process / a thread of the server "
+                             "(serve --[no-]engine-process; default: the server's)")
     parser.add_argument("--server-timeout", type=float, default=900.0, help="seconds for a started server to be ready")
     parser.add_argument("--out", help="folder for results.json")
     add_engine_args(parser, skip=_SKIP)

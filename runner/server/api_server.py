@@ -35,6 +35,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
 
 
+def engine_in_own_process(config: ServerConfig, engine_config: EngineConfig) -> bool:
+    """`ServerConfig.engine_process`, or where it is None, whether the engine runs on a GPU."""
+    if config.engine_process is not None:
+        return config.engine_process
+    from runner.platform import resolve_device
+    return resolve_device(engine_config.device).type == "cuda"
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -49,7 +57,8 @@ def serve(args: argparse.Namespace) -> int:
     engine_config = EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args))
     logger.setLevel(logging.INFO)  # the start-up and ready lines show without -v
     started = time.perf_counter()
-    if config.engine_process:
+    engine_process = engine_in_own_process(config, engine_config)
+    if engine_process:
         async_llm = AsyncLLM.from_config(engine_config, engine_process=True)  # builds and warms up there
         info = async_llm.info
     else:
@@ -57,10 +66,10 @@ def serve(args: argparse.Namespace) -> int:
         info = engine_info(engine)
     logger.info("engine ready in %.1f s (%s): %s on %s, KV cache %d blocks, CUDA graphs %s",
                 time.perf_counter() - started,
-                f"engine process pid {async_llm.engine_pid}" if config.engine_process else "engine thread",
+                f"engine process pid {async_llm.engine_pid}" if engine_process else "engine thread",
                 info["architecture"], info["device"], info["num_blocks"],
                 "captured" if info["cuda_graph_ready"] else f"off (mode {info['cudagraph_mode']})")
-    if not config.engine_process:
+    if not engine_process:
         warm_up(engine)
         async_llm = AsyncLLM(engine)
     model_name = config.served_model_name or args.model
