@@ -208,21 +208,24 @@ class LLMEngine:
         except Exception:
             return
         if getattr(result, "grammar_errors", None) is None:
-            result.grammar_errors = self._advance_matchers(result.sampled)
+            self._advance_matchers(result)
 
-    def _advance_matchers(self, sampled: dict[str, int]) -> dict[str, str]:
-        """Each structured request's matcher takes its token; {request id: error} of the refused."""
-        return self._structured.accept(sampled)
+    def _advance_matchers(self, result) -> None:
+        """Each structured request's matcher takes its token: the refused ones and the completed
+        grammars go into the step's result (`grammar_errors`, `grammar_terminated`)."""
+        structured = self._structured
+        result.grammar_errors = structured.accept(result.sampled)
+        result.grammar_terminated = frozenset(request_id for request_id in result.sampled
+                                              if structured.is_terminated(request_id))
 
     def _accept_structured(self, result) -> list[tuple[RequestState, CompletionOutput | None]]:
         """Advance each structured request's matcher by its token (unless `_accept_early` did); a
         refused token fails that request alone (the token is dropped: the scheduler then skips the
         finished request)."""
         failed = []
-        errors = getattr(result, "grammar_errors", None)
-        if errors is None:
-            errors = self._advance_matchers(result.sampled)
-        for request_id, error in errors.items():
+        if getattr(result, "grammar_errors", None) is None:
+            self._advance_matchers(result)
+        for request_id, error in result.grammar_errors.items():
             tracked = self._tracked.get(request_id)
             if tracked is not None:
                 logger.warning("request %r failed: %s", request_id, error)
@@ -405,7 +408,7 @@ class LLMEngine:
             if tracked is None:
                 continue
             if (structured is not None and request.status is not RequestStatus.FINISHED
-                    and structured.is_terminated(request.request_id)):
+                    and request.request_id in result.grammar_terminated):
                 self.scheduler.finish_request(request.request_id, "stop")  # the grammar is complete
             try:
                 completion = self._advance(tracked, result, now)
@@ -423,7 +426,8 @@ class LLMEngine:
         Requests that stopped at step n lose their n+1 work when n is applied. When n+1 would
         have to preempt, step n is applied first (a drain) and n+1 scheduled after it. With
         structured output, n+1's bitmask fill first waits for n's tokens and advances the
-        matchers (`_accept_early`), after n+1's forward is launched: no drain. A launch
+        matchers (`_accept_early`), after n+1's forward is launched: no drain; step n is then
+        applied while xgrammar fills n+1's rows on its own threads (`while_filling`). A launch
         that fails fails the requests of n+1 (n is still applied); a step n whose tokens never
         arrive fails its requests and forgets n+1 (the others' work is scheduled again)."""
         outputs = self._undelivered  # grows as steps are applied; kept for the next call if anything raises
@@ -442,8 +446,17 @@ class LLMEngine:
             structured = self._structured if self._structured is not None and self._structured.active else None
             if structured is not None and previous is not None:
                 # The bitmask of n+1 needs n's tokens in the matchers: the fill (after n+1's forward
-                # is launched) first waits for them and advances the matchers (`_accept_early`).
+                # is launched) first waits for them and advances the matchers (`_accept_early`);
+                # while xgrammar fills n+1's rows (outside the GIL), step n is applied.
                 structured.before_fill = lambda: self._accept_early(previous)
+
+                def apply_while_filling() -> None:
+                    nonlocal previous
+                    if previous is not None and previous.resolved:   # not if its tokens never came
+                        applied, previous = previous, None
+                        self._in_flight = None       # applied: an interrupted launch must not apply it again
+                        outputs.extend(self._resolve_and_apply(applied))
+                structured.while_filling = apply_while_filling
             try:
                 pending = self.executor.execute_async(sched)
             except Exception as error:
@@ -456,7 +469,10 @@ class LLMEngine:
                 raise
             finally:
                 if structured is not None:
-                    structured.before_fill = None
+                    structured.before_fill = structured.while_filling = None
+            if self._dead is not None:   # applying step n during the launch killed the engine
+                self._undelivered = []
+                return outputs
         elif sched.finished_ids or sched.preempted_ids:
             self.executor.execute(sched)  # lets the runner drop per-request state (generators)
         if pending is None and previous is None and self._structured is not None and self._structured.active:

@@ -9,6 +9,11 @@ Here pass 1 splits every row into chunks across the SMs, each program keeping th
 position of its chunk's largest value; pass 2 (one program per row) keeps the first chunk holding
 the row's largest value. The result is torch's: the index of the FIRST maximum (ties go left).
 NaN counts as +inf (torch ranks NaN above +inf; the two differ only for a row holding both).
+
+Structured output's greedy rows take the same launches with the token bitmask read in pass 1
+(`masked_argmax_rows`): a disallowed token counts as -inf in the rows marked constrained, which
+is xgrammar's in-place masking followed by the argmax, without the masking kernel (launched
+through Triton's per-call binding, on the host path the next step waits on) or writing the logits.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ MAX_CHUNKS = 64
 
 
 @triton.jit
-def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, V, stride_row, chunk_len, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, V, stride_row, chunk_len, mask_ptr, mask_stride, constrained_ptr,
+                          BLOCK: tl.constexpr, MASKED: tl.constexpr, PDL: tl.constexpr):
     wait_for_producers(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -35,10 +41,15 @@ def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, V, stride_row, chunk_len, BLO
     end = tl.minimum(start + chunk_len, V)
     best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     best_idx = tl.full([BLOCK], 2147483647, dtype=tl.int32)
+    if MASKED:   # an unconstrained row reads no bitmask word: its mask ends where the chunk starts
+        mask_end = tl.where(tl.load(constrained_ptr + row) != 0, end, start)
     for off in range(start, end, BLOCK):
         idx = off + tl.arange(0, BLOCK)
         v = tl.load(x_ptr + row.to(tl.int64) * stride_row + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
         v = tl.where(v != v, float("inf"), v)            # NaN: above every finite logit
+        if MASKED:                                       # bit idx % 32 of word idx // 32: allowed
+            word = tl.load(mask_ptr + row.to(tl.int64) * mask_stride + idx // 32, mask=idx < mask_end, other=-1)
+            v = tl.where(((word >> (idx % 32)) & 1) != 0, v, float("-inf"))
         take = v > best                                  # strictly: a lane keeps the first of its largest
         best = tl.where(take, v, best)
         best_idx = tl.where(take, idx, best_idx)
@@ -82,8 +93,21 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return launch(logits, num_sms(logits.device))
 
 
-def launch(logits: torch.Tensor, sms: int) -> torch.Tensor:
-    """The two launches for `sms` SMs (any device: the tests run them in Triton's interpreter)."""
+def masked_argmax_rows(logits: torch.Tensor, bitmask: torch.Tensor, constrained: torch.Tensor) -> torch.Tensor:
+    """int64 [rows]: each row's argmax where the rows with `constrained[row] != 0` see only the
+    tokens their row of `bitmask` (int32 [rows, ceil(vocab / 32)], xgrammar's packing) allows;
+    the same as masking those rows' disallowed logits to -inf and taking `argmax_rows`. GPU
+    tensors (a CPU caller masks and takes torch's argmax)."""
+    if logits.dim() != 2 or logits.stride(1) != 1 or bitmask.stride(1) != 1:
+        raise ValueError("masked_argmax_rows takes 2-D logits and bitmask with contiguous rows")
+    if bitmask.shape[0] < logits.shape[0] or bitmask.shape[1] * 32 < logits.shape[1]:
+        raise ValueError(f"the bitmask {tuple(bitmask.shape)} does not cover the logits {tuple(logits.shape)}")
+    return launch(logits, num_sms(logits.device), (bitmask, constrained))
+
+
+def launch(logits: torch.Tensor, sms: int, masked: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The two launches for `sms` SMs (any device: the tests run them in Triton's interpreter);
+    `masked`: (bitmask, constrained rows), as `masked_argmax_rows` takes them."""
     rows, vocab = logits.shape
     chunks = num_chunks(rows, vocab, sms)
     chunk_len = -(-vocab // chunks)
@@ -96,7 +120,9 @@ def launch(logits: torch.Tensor, sms: int) -> torch.Tensor:
     # parameter positionally, in order).
     device_index = logits.device.index or 0
     pdl = use_pdl(logits.device)
-    _chunks_launch((rows, chunks), logits, vals, idxs, vocab, logits.stride(0), chunk_len, BLOCK, pdl,
+    bitmask, constrained = masked if masked is not None else (out, out)   # unread without MASKED
+    _chunks_launch((rows, chunks), logits, vals, idxs, vocab, logits.stride(0), chunk_len, bitmask,
+                   bitmask.stride(0), constrained, BLOCK, masked is not None, pdl,
                    device_index=device_index, num_warps=4, num_stages=1, launch_pdl=pdl)
     _rows_launch((rows,), vals, idxs, out, chunks, triton.next_power_of_2(chunks), pdl,
                  device_index=device_index, num_warps=1, num_stages=1, launch_pdl=pdl)

@@ -20,6 +20,10 @@ class ModelRunnerOutput:
     """Structured output: {request id: error} of the tokens the grammar refused, once the engine
     has advanced the matchers by this step's tokens (None before: each step's tokens go to the
     matchers exactly once, early under async scheduling, see LLMEngine._accept_early)."""
+    grammar_terminated: frozenset[str] = frozenset()
+    """Structured output: the requests whose grammar this step's token completed, read right after
+    the accepts (the engine applies the step while the matchers fill the next one's rows, so it
+    must not ask the matchers then)."""
 
 
 class PendingOutput:
@@ -46,6 +50,11 @@ class PendingOutput:
         """Block until the step's tokens are in host memory: the one GPU wait of an async step."""
         if self._event is not None:
             self._event.synchronize()
+
+    @property
+    def resolved(self) -> bool:
+        """The output has been built (`resolve` returned)."""
+        return self._result is not None
 
     def resolve(self) -> ModelRunnerOutput:
         if self._result is None:

@@ -49,3 +49,27 @@ def test_cpu_tensor_takes_torch_argmax_and_rejects_bad_layout():
                                                         (1, 500, 132, 1)])
 def test_chunks_spread_rows_over_the_sms(rows, vocab, sms, expected):
     assert greedy.num_chunks(rows, vocab, sms) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, vocab, sms", [(1, 7, 8), (4, 2049, 2), (6, 3000, 132)])
+def test_masked_argmax_equals_masking_then_argmax(rows, vocab, sms, dtype):
+    """Constrained rows see only the tokens their bitmask row allows (xgrammar's packing), the
+    others every token; the bitmask covers more ids than the logits (its last word, and whole
+    extra words as when it is as wide as a larger model vocabulary); a row allowing nothing gives 0."""
+    from runner.structured_output.bitmask import unpack_bitmask
+    g = torch.Generator().manual_seed(rows + vocab)
+    x = torch.randn(rows, vocab, generator=g).to(dtype)
+    words = -(-vocab // 32) + 2
+    bitmask = torch.randint(-2**31, 2**31 - 1, (rows, words), generator=g, dtype=torch.int64).to(torch.int32)
+    constrained = torch.tensor([(row + 1) % 2 for row in range(rows)], dtype=torch.int32)
+    if rows > 2:
+        bitmask[2] = 0                                   # constrained, nothing allowed
+    allowed = unpack_bitmask(bitmask, vocab)
+    expected = x.float().clone()
+    rows_on = constrained.bool()
+    expected[rows_on] = expected[rows_on].masked_fill(~allowed[rows_on], float("-inf"))
+    got = greedy.launch(x.to(DEVICE), sms, (bitmask.to(DEVICE), constrained.to(DEVICE)))
+    assert torch.equal(got.cpu(), expected.argmax(dim=-1))
+    if DEVICE == "cuda":
+        assert torch.equal(greedy.masked_argmax_rows(x.cuda(), bitmask.cuda(), constrained.cuda()).cpu(), got.cpu())

@@ -3,8 +3,9 @@ bitmask is filled (after n's tokens reach the matchers, `LLMEngine._accept_early
 forward runs. Proof that it changes nothing but the overlap: the same tokens, texts and finish
 reasons as the synchronous engine, on a tiny random checkpoint with a byte-level tokenizer, for
 JSON, regex, choice and EBNF constraints, greedy and seeded, beside free requests; that the fill
-really happens with a step in flight (no drain); and that a row whose grammar the token in flight
-completed gets a mask without touching its terminated matcher."""
+really happens with a step in flight (no drain) and that step is applied while the rows fill;
+and that a row whose grammar the token in flight completed gets a mask without touching its
+terminated matcher."""
 
 from __future__ import annotations
 
@@ -65,17 +66,22 @@ def test_async_structured_output_equals_synchronous(tiny):
         fill = manager.token_bitmask
 
         def recording(reqs, rows):
-            # The step launched before this one is still in flight (no drain) whenever it exists.
-            fills.append((engine._in_flight is not None, manager.before_fill is not None))
-            return fill(reqs, rows)
+            # The step launched before this one is still in flight (no drain) whenever it exists,
+            # and is applied during the fill (the fill sets `_in_flight` to None then).
+            in_flight, hooks = engine._in_flight is not None, (manager.before_fill, manager.while_filling)
+            bitmask = fill(reqs, rows)
+            fills.append((in_flight, all(hook is not None for hook in hooks),
+                          bitmask is None or engine._in_flight is None))
+            return bitmask
 
         engine.model_runner.token_bitmask_provider = recording
 
     expected = generate(tiny, False)
     got = generate(tiny, True, watch)
     assert got == expected
-    assert any(in_flight for in_flight, _ in fills)
-    assert all(hook == in_flight for in_flight, hook in fills)
+    assert any(in_flight for in_flight, _, _ in fills)
+    assert all(hooks == in_flight for in_flight, hooks, _ in fills)
+    assert all(applied for _, _, applied in fills)
     texts = [text for _, text, _, error in got[:8]]
     assert all(error is None for *_, error in got)
     for text in texts[:2]:

@@ -101,6 +101,39 @@ def test_structured_greedy_step_masks_then_takes_the_argmax():
     assert expected[1] == int(logits[1].argmax())
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_ids_past_the_tokenizer_are_never_allowed(tmp_path, device):
+    """A model vocabulary larger than the tokenizer's: xgrammar sees the tokenizer's (so it never
+    pays for the padding ids), the device bitmask covers the model's, and the ids past the
+    tokenizer's stay disallowed even where their logits are the largest."""
+    from checkpoints import make_tiny_checkpoint
+    from runner.structured_output import StructuredOutputManager
+    from runner.structured_output.bitmask import unpack_bitmask
+    from runner.tokenizer import load_tokenizer
+    path, _ = make_tiny_checkpoint(tmp_path / "llama", "llama_gqa")
+    tokenizer = load_tokenizer(str(path))          # 256 byte tokens
+    model_vocab = 1000
+    manager = StructuredOutputManager(tokenizer, model_vocab, 4, torch.device(device))
+    try:
+        assert manager.compilers.grammar_vocab_size == 256
+        manager.add_request("r", StructuredOutputsParams(regex="[a-z]+")).future.result(timeout=60)
+
+        class Row:
+            request_id = "r"
+
+        mask = manager.token_bitmask([Row()], [0])
+        assert mask.bitmask.shape == (1, -(-model_vocab // 32))
+        allowed = unpack_bitmask(mask.bitmask.cpu(), model_vocab)[0]
+        assert allowed.nonzero().flatten().tolist() == list(range(ord("a"), ord("z") + 1))
+        logits = torch.zeros(1, model_vocab, device=device)
+        logits[0, 256:] = 10.0
+        logits[0, ord("q")] = 1.0
+        mask.apply(logits)
+        assert int(logits.argmax()) == ord("q")
+    finally:
+        manager.shutdown()
+
+
 # ---- the embedded SmolLM2 -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llm():

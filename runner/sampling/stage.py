@@ -18,7 +18,7 @@ import torch
 from runner.outputs import ModelRunnerOutput, PendingOutput
 from runner.sampling.logprobs import logprobs_entries
 from runner.sampling.processors import LogitsProcessors
-from runner.sampling.sampler import Sampler, SamplingMetadata, argmax_rows
+from runner.sampling.sampler import Sampler, SamplingMetadata
 from runner.sampling.state import SamplingStates
 from runner.scheduler import ScheduledRequest
 
@@ -80,10 +80,8 @@ class SamplingStage:
         processors, metadata, logprobs = plan.processors, plan.metadata, None
         if metadata is None and token_bitmask is None:
             sampled = fast_greedy()
-        elif metadata is None:  # structured greedy: the mask on the logits (in place), then their argmax
-            masked = logits()
-            token_bitmask.apply(masked)
-            sampled = argmax_rows(masked)
+        elif metadata is None:  # structured greedy: the argmax under the mask
+            sampled = token_bitmask.argmax(logits())
         else:
             metadata.token_bitmask = token_bitmask
             result = self.sampler(logits(), metadata)

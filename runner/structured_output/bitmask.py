@@ -18,16 +18,28 @@ import torch
 @dataclass
 class TokenBitmask:
     """What the sampler needs to constrain a step: the packed bitmask rows (device, int32), the
-    sampling rows they apply to (device, int32), and the vocabulary they cover."""
+    sampling rows they apply to (device, int32), the vocabulary they cover, and (for the greedy
+    argmax on a GPU) int32 [rows], nonzero where the row is constrained."""
     bitmask: torch.Tensor
     indices: torch.Tensor
     vocab_size: int
+    constrained: torch.Tensor | None = None
 
     def apply(self, logits: torch.Tensor) -> None:
         """Disallowed tokens of the constrained rows to -inf, in place (float32 logits [rows, vocab])."""
         from xgrammar import apply_token_bitmask_inplace
         apply_token_bitmask_inplace(logits, self.bitmask, vocab_size=min(self.vocab_size, logits.shape[-1]),
                                     indices=self.indices)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """int64 [rows]: the greedy tokens under the mask, as `apply` then the argmax: on a GPU one
+        pass over the logits that reads the bitmask (runner/greedy.py), elsewhere exactly that."""
+        if logits.is_cuda and self.constrained is not None and logits.shape[1] <= self.vocab_size:
+            from runner.greedy import masked_argmax_rows
+            return masked_argmax_rows(logits, self.bitmask, self.constrained)
+        from runner.sampling.sampler import argmax_rows
+        self.apply(logits)
+        return argmax_rows(logits)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -82,18 +82,33 @@ def _what(kind: str) -> str:
             "structural_tag": "the structural tag"}[kind]
 
 
+def grammar_vocab_size(tokenizer, model_vocab_size: int) -> int:
+    """The vocabulary xgrammar is given: the tokenizer's (xgrammar's own count: entries or the
+    largest id + 1) rounded up to a whole bitmask word, at most the model's.
+
+    Not the model's vocabulary when that is larger (a padded LM head, or a checkpoint paired with
+    a smaller tokenizer): xgrammar treats every id past the tokenizer's as a special token and
+    pays for each in every bitmask fill and every accept (docs/PERFORMANCE.md, "Structured output
+    overhead", has the figures). The ids past it are disallowed by the zero columns of the
+    device bitmask instead (StructuredOutputManager)."""
+    vocab = tokenizer.get_vocab()
+    size = max(len(vocab), max(vocab.values(), default=-1) + 1)
+    return min(model_vocab_size, -(-size // 32) * 32)
+
+
 class GrammarCompilerService:
     """Compiles grammars for one tokenizer and vocabulary, off the engine's thread.
 
     `vocab_size` is the MODEL's vocabulary (the logits' width), which may exceed the
-    tokenizer's: ids past the tokenizer's are never allowed. The tokenizer's xgrammar info
-    (~0.25 s for SmolLM2's 49152 tokens) is built on first use, so engines that never see a
-    structured request do not pay for it."""
+    tokenizer's; xgrammar sees `grammar_vocab_size` (the tokenizer's), and ids past it are never
+    allowed. The tokenizer's xgrammar info (~0.25 s for SmolLM2's 49152 tokens) is built on first
+    use, so engines that never see a structured request do not pay for it."""
 
     def __init__(self, tokenizer, vocab_size: int, max_threads: int = 1) -> None:
         if tokenizer is None:
             raise ValueError("structured output needs the model's tokenizer")
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.grammar_vocab_size = grammar_vocab_size(tokenizer, vocab_size)
         self._compiler = None
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="grammar-compile")
@@ -104,7 +119,7 @@ class GrammarCompilerService:
         with self._lock:
             if self._compiler is None:
                 xgr = _xgr()
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.grammar_vocab_size)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 

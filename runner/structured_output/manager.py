@@ -18,9 +18,12 @@ step n in flight; the fill of n+1's rows first calls `before_fill`, with which t
 for step n's tokens and advances the matchers by them, so the fill overlaps n+1's forward and the
 masks equal those of synchronous scheduling.
 
-The pinned buffer is reused every step: safe because a step's bitmask copy is enqueued before
-its sampling, and the next fill happens only after the engine has that step's tokens (under
-async scheduling through `before_fill`, which waits for the step in flight).
+The matchers fill rows as wide as the tokenizer's vocabulary (`grammar_vocab_size`); the device
+bitmask is as wide as the model's, and its columns past the tokenizer's stay zero, so the ids
+past the tokenizer's are never allowed and xgrammar never pays for them. The pinned host rows
+and the device bitmask are reused every step: safe because a step's bitmask copy is enqueued
+before its sampling, and the next fill happens only after the engine has that step's tokens
+(under async scheduling through `before_fill`, which waits for the step in flight).
 """
 
 from __future__ import annotations
@@ -64,6 +67,10 @@ class StructuredOutputManager:
         self.compilers = GrammarCompilerService(tokenizer, vocab_size)
         self.states: dict[str, GrammarState] = {}
         self._host_bitmask: torch.Tensor | None = None
+        self._device_bitmask: torch.Tensor | None = None
+        self._rows: tuple | None = None
+        """The last step's (constrained rows, number of rows) and their device tensors (indices,
+        per-row flags): decode steps mostly repeat them, so they are uploaded only when they change."""
         self._batch = None
         self.compile_wait_seconds = 0.0
         """Time the engine spent waiting for compiles with nothing else to run (`wait_for_compiles`)."""
@@ -71,6 +78,11 @@ class StructuredOutputManager:
         """Async scheduling: called before a step's rows are filled, once some row is constrained. The
         engine sets it while it launches step n+1 with step n in flight: it waits for step n's tokens
         (not for n+1's forward, enqueued after them) and advances the matchers by them."""
+        self.while_filling = None
+        """Async scheduling: called once, on the engine's thread, while a worker thread fills the
+        step's rows (xgrammar's fill runs outside the GIL): the engine applies step n then, so its
+        host work overlaps the fill instead of following it. It must not touch the matchers."""
+        self._filler = None
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, params: StructuredOutputsParams) -> GrammarState:
@@ -113,17 +125,51 @@ class StructuredOutputManager:
 
     # ---- one step ------------------------------------------------------------------------
     def _host(self) -> torch.Tensor:
+        """The rows the matchers fill: [max_num_seqs, words of the tokenizer's vocabulary], pinned."""
         if self._host_bitmask is None:
-            width = -(-self.vocab_size // 32)
+            width = -(-self.compilers.grammar_vocab_size // 32)
             self._host_bitmask = torch.zeros((self.max_num_seqs, width), dtype=torch.int32,
                                              pin_memory=self.device.type == "cuda")
         return self._host_bitmask
+
+    def _device(self) -> torch.Tensor:
+        """The bitmask the sampler applies: [max_num_seqs, words of the model's vocabulary]; the
+        columns past the host rows' are never written (zero: not allowed)."""
+        if self._device_bitmask is None:
+            width = -(-self.vocab_size // 32)
+            self._device_bitmask = torch.zeros((self.max_num_seqs, width), dtype=torch.int32, device=self.device)
+        return self._device_bitmask
+
+    def _row_tensors(self, indices: list[int], num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """int32 device tensors: the constrained rows, and per row 1 if constrained else 0."""
+        key = (indices, num_rows)
+        if self._rows is None or self._rows[0] != key:
+            flags = [0] * num_rows
+            for row in indices:
+                flags[row] = 1
+            host = torch.tensor(indices + flags, dtype=torch.int32)   # one upload for both
+            if self.device.type != "cpu":
+                host = host.pin_memory().to(self.device, non_blocking=True)
+            self._rows = (key, (host[:len(indices)], host[len(indices):]))
+        return self._rows[1]
 
     def _batch_matcher(self):
         if self._batch is None:
             from xgrammar import BatchGrammarMatcher
             self._batch = BatchGrammarMatcher(max_threads=FILL_THREADS)
         return self._batch
+
+    def _fill_thread(self):
+        if self._filler is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask-fill")
+        return self._filler
+
+    def _fill(self, matchers: list, host: torch.Tensor, indices: list[int]) -> None:
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(host, indices[0])
+        elif matchers:  # xgrammar fills the rows on its own threads, outside the GIL
+            self._batch_matcher().batch_fill_next_token_bitmask(matchers, host, indices)
 
     def token_bitmask(self, reqs, rows: list[int]) -> TokenBitmask | None:
         """The bitmask of the step's sampling rows (`reqs[rows[k]]` samples row k), or None when no
@@ -148,17 +194,21 @@ class StructuredOutputManager:
             else:
                 matchers.append(matcher)
                 indices.append(row)
-        if len(matchers) == 1:
-            matchers[0].fill_next_token_bitmask(host, indices[0])
-        elif matchers:  # xgrammar fills the rows on its own threads, outside the GIL
-            self._batch_matcher().batch_fill_next_token_bitmask(matchers, host, indices)
-        indices = [row for row, _ in constrained]
-        bitmask = host[:len(rows)]
-        index_tensor = torch.tensor(indices, dtype=torch.int32)
-        if self.device.type != "cpu":
-            bitmask = bitmask.to(self.device, non_blocking=True)
-            index_tensor = index_tensor.pin_memory().to(self.device, non_blocking=True)
-        return TokenBitmask(bitmask, index_tensor, self.vocab_size)
+        overlap, self.while_filling = self.while_filling, None
+        if overlap is not None and matchers:
+            filled = self._fill_thread().submit(self._fill, matchers, host, indices)
+            try:
+                overlap()
+            finally:
+                filled.result()
+        else:
+            self._fill(matchers, host, indices)
+            if overlap is not None:
+                overlap()
+        bitmask = self._device()[:len(rows)]
+        bitmask[:, :host.shape[1]].copy_(host[:len(rows)], non_blocking=True)
+        indices, flags = self._row_tensors([row for row, _ in constrained], len(rows))
+        return TokenBitmask(bitmask, indices, self.vocab_size, flags)
 
     def accept(self, sampled: dict[str, int]) -> dict[str, str]:
         """Advance each structured request's matcher by its sampled token (requests without
@@ -185,3 +235,5 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self.compilers.shutdown()
+        if self._filler is not None:
+            self._filler.shutdown(wait=False)
