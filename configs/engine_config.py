@@ -98,9 +98,10 @@ class SchedulerConfig(_Config):
     async_scheduling: bool | None = None
     """Launch step n+1 before waiting for step n's sampled tokens, so the engine's host work
     (scheduling, input preparation, the scheduler update, detokenization) overlaps the GPU.
-    None (auto): on for a CUDA device with the single-process executor, off on a CPU and under
-    pipeline or tensor parallelism. True forces it on any device (CPU tests use it); it cannot be
-    combined with pipeline_parallel_size or tensor_parallel_size > 1."""
+    None (auto): on for a CUDA device without pipeline parallelism (one process, or a tensor-parallel
+    group whose rank 0 samples and broadcasts its tokens to the other ranks' devices), off on a CPU
+    and under pipeline parallelism. True forces it on any device (CPU tests use it); it cannot be
+    combined with pipeline_parallel_size > 1."""
 
     @property
     def long_prefill_tokens(self) -> int:
@@ -200,19 +201,18 @@ class EngineConfig(_Config):
             raise ValueError(
                 f"pipeline_layer_split has {len(split)} entries but pipeline_parallel_size is "
                 f"{self.parallel.pipeline_parallel_size}")
-        if self.scheduler.async_scheduling and self.parallel.world_size > 1:
+        if self.scheduler.async_scheduling and self.parallel.pipeline_parallel_size > 1:
             raise ValueError(
                 f"async_scheduling=True is not supported with pipeline_parallel_size="
-                f"{self.parallel.pipeline_parallel_size} x tensor_parallel_size={self.parallel.tensor_parallel_size}: "
-                "the distributed executor returns each step's tokens synchronously; leave async_scheduling unset "
-                "(auto) or False")
+                f"{self.parallel.pipeline_parallel_size}: the pipeline passes each step's tokens back to rank 0 "
+                "synchronously; leave async_scheduling unset (auto) or False")
         return self
 
     def resolve_async_scheduling(self, device_type: str) -> bool:
         """The effective async_scheduling for an engine on `device_type` ("cuda" or "cpu")."""
         value = self.scheduler.async_scheduling
         if value is None:
-            return device_type == "cuda" and self.parallel.world_size == 1
+            return device_type == "cuda" and self.parallel.pipeline_parallel_size == 1
         return value
 
     @classmethod

@@ -1,9 +1,10 @@
-"""The tensor-parallel group this process belongs to, and the two collectives the model needs.
+"""The tensor-parallel group this process belongs to, and the collectives the model needs.
 
 A model built with tensor_parallel_size N on rank r holds 1/N of every attention head set, MLP and
 vocabulary row block; after its row-parallel projections (attention output, MLP down) the partial
 sums are added across the group (`tensor_parallel_all_reduce`), and the vocabulary-parallel LM head's
-logits are gathered back to the whole vocabulary (`tensor_parallel_all_gather`).
+logits are gathered back to the whole vocabulary (`tensor_parallel_all_gather`). With async
+scheduling TP rank 0's sampled tokens reach the other ranks' devices by `tensor_parallel_broadcast`.
 
 The runner (which creates the process groups) calls `set_tensor_parallel_group` before it builds the
 model; everything under models/ reads the group from here, so a single-process engine never sees
@@ -67,6 +68,15 @@ def tensor_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_GROUP.size)]
     dist.all_gather(parts, x, group=_GROUP.group)
     return torch.cat(parts, dim=dim)
+
+
+def tensor_parallel_broadcast(x: torch.Tensor) -> torch.Tensor:
+    """Overwrite `x` on every rank with TP rank 0's `x`, in place; the identity for a single rank."""
+    if _GROUP.size == 1:
+        return x
+    import torch.distributed as dist
+    dist.broadcast(x, group=_GROUP.group, group_src=0)
+    return x
 
 
 # ---- how one rank's share of a layer is cut (pure arithmetic: no processes needed) -------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import gc
 import logging
 import time
 from typing import ClassVar
@@ -25,7 +26,7 @@ from models.hf_config import ModelSpec
 from models.layers import decode_step_products, screened_argmax
 from models.causal_lm import IntermediateTensors
 from models.loader import build_model
-from models.parallel_state import tensor_parallel_group
+from models.parallel_state import tensor_parallel_broadcast, tensor_parallel_group
 from runner.cudagraph import (CUDA_GRAPHS, AddressCheck, BatchDescriptor, CapturePhase, CUDAGraphWrapper,
                               CudagraphDispatcher, default_capture_sizes, graph_pool, prime_capture_stream,
                               resolve_cudagraph_mode)
@@ -165,6 +166,18 @@ class ModelRunner(GraphStartUp):
             forward = self.full = CUDAGraphWrapper(forward, CUDAGraphMode.FULL, pool, self.capture_phase, check,
                                                    self.graph_factory)
         self.forward = forward
+
+    def release_cuda_graphs(self) -> None:
+        """Destroy every captured graph and wait for the GPU. Shutdown of a tensor- or
+        pipeline-parallel rank calls this before destroying its process groups: NCCL does not
+        destroy a communicator while a graph holding its collectives exists, so
+        `destroy_process_group` would hang (pytorch/pytorch#115388)."""
+        for wrapper in (self.full, self.piecewise):
+            if wrapper is not None:
+                wrapper.release_graphs()
+        gc.collect()  # graphs in reference cycles go now, not at some later collection
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def intermediate_view(self, num_tokens: int) -> IntermediateTensors | None:
         """Views [:num_tokens] of the persistent receive buffers (None on the first stage)."""
@@ -325,20 +338,44 @@ class ModelRunner(GraphStartUp):
         return self.sample(reqs, hidden, common, logits)
 
     @torch.inference_mode()
-    def execute_async(self, sched: SchedulerOutput) -> PendingOutput:
+    def execute_async(self, sched: SchedulerOutput, decision=None) -> PendingOutput:
         """Launch one scheduled step without waiting for it (async scheduling): placeholder inputs
         are gathered on the device from the previous launch's tokens, and the sampled tokens stay
-        on the device with a non-blocking copy to pinned host memory under way. Single process
-        only (the whole model, so this runner samples)."""
+        on the device with a non-blocking copy to pinned host memory under way. The whole model
+        (one pipeline stage): one process, or every rank of a tensor-parallel group, each launching
+        its share (`decision`: rank 0's, as in `execute`; see `_sample_tensor_parallel_async`)."""
         self.sampling.release(sched.finished_ids)  # preempted requests keep their generators and counts
         self.prompt_logprobs.release(sched.finished_ids)
         if not sched.scheduled:
             return PendingOutput.ready(ModelRunnerOutput({}))
-        mode, desc, padded_tokens, common = self.prepare(sched)
+        mode, desc, padded_tokens, common = self.prepare(sched, decision)
         hidden = self._forward(padded_tokens, common, mode, desc)
-        pending = self.sample_async(sched.scheduled, hidden, common)
+        if self.tp_size > 1:
+            pending = self._sample_tensor_parallel_async(sched.scheduled, hidden, common)
+        else:
+            pending = self.sample_async(sched.scheduled, hidden, common)
         self._prev_sampled = pending.sampled  # last: a failed launch leaves the previous step's tokens
         return pending
+
+    def _sample_tensor_parallel_async(self, reqs: list[ScheduledRequest], hidden, common) -> PendingOutput:
+        """Async scheduling with tensor parallelism: every TP rank computes the step's logits (the
+        same collectives as `sample_tensor_parallel`), TP rank 0 samples, and its tokens reach the
+        other ranks' devices by a broadcast enqueued behind the step (no host sync), so every rank
+        fills the next step's placeholder inputs from the same tokens. The other ranks' result
+        carries only those tokens."""
+        rows = [i for i, r in enumerate(reqs) if r.sample]
+        logits = self._sampling_logits(reqs, rows, hidden, common) if rows else None
+        if self.tp_rank == 0:
+            pending = self.sample_async(reqs, hidden, common, logits)
+            if rows:
+                tensor_parallel_broadcast(pending.sampled.long())
+            return pending
+        if any(r.sampling_params.prompt_logprobs is not None for r in reqs):
+            self._prompt_logprobs(reqs, hidden, common)   # its logits: the same collective as rank 0's
+        tokens = None
+        if rows:
+            tokens = tensor_parallel_broadcast(torch.empty(len(rows), dtype=torch.int64, device=self.device))
+        return PendingOutput(lambda: ModelRunnerOutput({}), None, tokens)
 
     def _sampling_logits(self, reqs: list[ScheduledRequest], rows: list[int], out, common,
                          float32: bool = True) -> torch.Tensor:

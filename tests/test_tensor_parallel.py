@@ -77,11 +77,16 @@ def test_config_field_and_its_validation():
     config = EngineConfig.from_kwargs(model="m", tensor_parallel_size=2, pipeline_parallel_size=3)
     assert config.parallel.tensor_parallel_size == 2 and config.parallel.world_size == 6
     assert EngineConfig.from_kwargs(model="m").parallel.tensor_parallel_size == 1
-    assert not EngineConfig.from_kwargs(model="m", tensor_parallel_size=2).resolve_async_scheduling("cuda")
+    # Async scheduling: on by default for tensor parallelism on a GPU, never with pipeline stages.
+    assert EngineConfig.from_kwargs(model="m", tensor_parallel_size=2).resolve_async_scheduling("cuda")
+    assert not EngineConfig.from_kwargs(model="m", tensor_parallel_size=2).resolve_async_scheduling("cpu")
+    assert not EngineConfig.from_kwargs(model="m", tensor_parallel_size=2,
+                                        pipeline_parallel_size=2).resolve_async_scheduling("cuda")
+    assert EngineConfig.from_kwargs(model="m", tensor_parallel_size=2, async_scheduling=True)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig.from_kwargs(model="m", tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="async_scheduling=True is not supported .*tensor_parallel_size=2"):
-        EngineConfig.from_kwargs(model="m", tensor_parallel_size=2, async_scheduling=True)
+    with pytest.raises(ValueError, match="async_scheduling=True is not supported .*pipeline_parallel_size=2"):
+        EngineConfig.from_kwargs(model="m", tensor_parallel_size=2, pipeline_parallel_size=2, async_scheduling=True)
 
 
 def test_cli_flags():
@@ -175,6 +180,23 @@ def test_a_rank_refuses_a_graph_it_does_not_hold(mqa):
     with pytest.raises(RuntimeError, match=r"rank 0 chose the FULL graph .*num_tokens=1.* but this rank \(tp rank 0, "
                                            r"layers 0\.\.3\) has no such graph \(graphs ready: False, mode NONE"):
         runner.padded_num_tokens(sched, (CUDAGraphMode.FULL, BatchDescriptor(1, 1, True)))
+
+
+@pytest.mark.parametrize("failure", [None, "worker rank 1 died"])
+def test_teardown_releases_graphs_before_destroying_groups(monkeypatch, failure):
+    """NCCL cannot destroy a communicator while a CUDA graph holding its collectives exists
+    (destroy_process_group hangs): a clean shutdown stops the workers, releases rank 0's graphs,
+    then destroys the groups. After a failure nothing synchronises (a collective may never end):
+    the groups are aborted with the graphs still there."""
+    from runner.distributed import executor
+    calls = []
+    monkeypatch.setattr(executor, "broadcast_message", lambda message, groups: calls.append(message[0]))
+    monkeypatch.setattr(executor, "destroy_groups", lambda groups, abort: calls.append(("destroy", abort)))
+    state = executor._State(groups=object(), failure=failure, release_graphs=lambda: calls.append("release"))
+    executor._teardown(state)
+    executor._teardown(state)  # idempotent
+    assert calls == (["stop", "release", ("destroy", False)] if failure is None else [("destroy", True)])
+    assert state.release_graphs is None
 
 
 # ---- end to end: the runtime with a replicated model and emulated collectives ----------------
@@ -330,6 +352,21 @@ def test_tp2_matches_tp1_and_hf(tmp_path, family, overrides):
         parallel = generated_tokens(llm, prompts, GREEDY)
     assert single == expected
     assert parallel == expected
+    assert multiprocessing.active_children() == []
+
+
+def test_tp2_async_scheduling_matches_hf_and_sync(mqa):
+    """Async scheduling under TP=2: rank 0 launches step n+1 before step n's tokens reach the host,
+    and its sampled tokens reach rank 1's placeholder inputs by a broadcast in the TP group. Greedy
+    tokens equal HF's; seeded sampling (rank 0's generators) equals the synchronous engine's."""
+    path, prompts, expected = mqa
+    seeded = SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=6, ignore_eos=True)
+    with LLM(model=str(path), tensor_parallel_size=2, async_scheduling=True, **CPU) as llm:
+        assert llm.engine.async_scheduling
+        assert generated_tokens(llm, prompts, GREEDY) == expected
+        parallel_seeded = generated_tokens(llm, prompts[:2], seeded)
+    with LLM(model=str(path), async_scheduling=False, **CPU) as llm:
+        assert generated_tokens(llm, prompts[:2], seeded) == parallel_seeded
     assert multiprocessing.active_children() == []
 
 

@@ -131,6 +131,11 @@ class CUDAGraphWrapper:
     def captured_descriptors(self) -> list[BatchDescriptor]:
         return list(self._entries)
 
+    def release_graphs(self) -> None:
+        """Forget every captured graph (a descriptor called again captures anew). Dropping the last
+        reference destroys the graph and returns its memory to the pool."""
+        self._entries.clear()
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         context = get_forward_context()
         desc = context.batch_descriptor

@@ -29,6 +29,7 @@ import signal
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import connection as mp_connection
 
@@ -47,7 +48,7 @@ from runner.distributed.topology import Topology
 from runner.distributed.worker import (ERROR, HELLO, OUTPUT, STEP, STOP, WorkerJob, run_external_worker, start_rank,
                                        worker_main)
 from runner.executor import require_no_tensor_parallel_engine
-from runner.outputs import ModelRunnerOutput
+from runner.outputs import ModelRunnerOutput, PendingOutput
 from runner.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -190,6 +191,8 @@ class _State:
     workers: _SpawnedWorkers | None = None
     store: object = None
     failure: str | None = None
+    release_graphs: Callable[[], None] | None = None
+    """Rank 0's ModelRunner.release_cuda_graphs, run before its groups are destroyed."""
     closed: bool = False
     reply_pending: bool = False
 
@@ -209,6 +212,12 @@ def _teardown(state: _State) -> None:
             graceful = False
     if not graceful and state.workers is not None:
         state.workers.stop(0.0)  # before our sockets close, so survivors do not log a lost peer
+    if graceful and state.release_graphs is not None:
+        # Graphs holding NCCL collectives keep their communicators from being destroyed; the
+        # workers release theirs on "stop" too. (After a failure a graph's collective may never
+        # finish, so no synchronising then: the groups are aborted instead.)
+        state.release_graphs()
+    state.release_graphs = None
     # On "stop" every rank destroys its groups at about the same time (NCCL teardown may be collective).
     destroy_groups(state.groups, abort=not graceful)
     state.groups = None
@@ -270,6 +279,7 @@ class DistributedExecutor:
             else:
                 warm_up_communicators(device, dtype, self._state.groups)
                 self.model_runner, self.num_blocks = start_rank(*args, self.layer_ranges[0], self._state.groups)
+                self._state.release_graphs = self.model_runner.release_cuda_graphs
         except BaseException as error:
             self._fail(error, "start-up")
         if self.rank > 0:
@@ -316,12 +326,32 @@ class DistributedExecutor:
         return self._state.workers.pids() if self._state.workers is not None else {}
 
     # ---- steps -------------------------------------------------------------------------------
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def _check_usable(self) -> None:
         state = self._state
         if state.failure is not None:
             raise WorkerError(f"the distributed executor is down: {state.failure}")
         if state.closed:
             raise RuntimeError("the distributed executor was shut down")
+
+    def execute_async(self, sched: SchedulerOutput) -> PendingOutput:
+        """Async scheduling (tensor parallelism, one pipeline stage): broadcast the step and its
+        graph decision, launch rank 0's share and return without waiting. The workers launch
+        theirs; rank 0 samples and its tokens reach their devices in the step's own broadcast
+        (ModelRunner._sample_tensor_parallel_async), so no reply comes back to wait for."""
+        self._check_usable()
+        state = self._state
+        try:
+            if state.workers is not None:
+                self._check_workers()  # no reply to wait on: a worker's death shows up here
+            decision = self.model_runner.dispatch(sched) if sched.scheduled else None
+            broadcast_message((STEP, sched, decision), state.groups)
+            return self.model_runner.execute_async(sched, decision)
+        except BaseException as error:
+            self._fail(error, "step")
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._check_usable()
+        state = self._state
         samples_here = self.topology.sampler_rank == 0
         try:
             if state.reply_pending:  # the last execute was interrupted while waiting: claim its reply

@@ -66,6 +66,9 @@ def serve_steps(runner: ModelRunner, groups: DistributedGroups, reply) -> None:
         if message[0] == STOP:
             return
         sched, decision = message[1], message[2]
+        if runner.async_scheduling:  # tensor parallel, one stage: rank 0 samples; its tokens come by broadcast
+            runner.execute_async(sched, decision)
+            continue
         if not sched.scheduled:
             runner.execute(sched)
             continue
@@ -126,6 +129,7 @@ def worker_main(rank: int, job: WorkerJob, conn) -> None:
         runner, _ = start_rank(job.config, job.spec, job.model_path, device, job.dtype, job.max_model_len,
                                job.layer_ranges[topology.stage(rank)], groups)
         serve_steps(runner, groups, conn.send)
+        runner.release_cuda_graphs()  # before the groups: NCCL waits for graphs holding its collectives
         reset_tensor_parallel_group()
         destroy_groups(groups)
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit from below
@@ -162,5 +166,6 @@ def run_external_worker(config: EngineConfig, spec: ModelSpec, model_path: str, 
     warm_up_communicators(device, dtype, groups)
     runner, _ = start_rank(config, spec, model_path, device, dtype, max_model_len, layer_range, groups)
     serve_steps(runner, groups, lambda message: send_message(message, 0, groups))
+    runner.release_cuda_graphs()  # before the groups: NCCL waits for graphs holding its collectives
     reset_tensor_parallel_group()
     destroy_groups(groups)
