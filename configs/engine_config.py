@@ -167,12 +167,6 @@ class ParallelConfig(_Config):
         default_factory=env_default("GRAPHRUNNER_PP_STEP_TIMEOUT_S", "ParallelConfig.pp_step_timeout_s", 300.0),
         ge=0, description="seconds rank 0 waits for one step's reply from the live sampler rank; 0: no limit "
                           "[GRAPHRUNNER_PP_STEP_TIMEOUT_S]")
-    symm_mem_all_reduce_max_bytes: int = Field(
-        default_factory=env_default("GRAPHRUNNER_SYMM_MEM_ALL_REDUCE_MAX_BYTES",
-                                    "ParallelConfig.symm_mem_all_reduce_max_bytes", 4 << 20),
-        ge=0, description="tensor parallelism on GPUs: all-reduces of at most this many bytes (every decode step's) "
-                          "run as one symmetric-memory kernel instead of NCCL (models/symmetric_all_reduce.py); "
-                          "0: NCCL for all [GRAPHRUNNER_SYMM_MEM_ALL_REDUCE_MAX_BYTES]")
     threads: int | None = Field(
         None, ge=1, description="CPU threads of torch's operators (torch.set_num_threads, set when the engine "
                                 "starts, for the whole process); None: torch's default, one per core")

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from models.symmetric_all_reduce import SymmetricAllReduce
-
 
 @dataclass(frozen=True)
 class TensorParallelGroup:
@@ -27,22 +25,19 @@ class TensorParallelGroup:
     size: int = 1
     group: object | None = None
     """The torch.distributed ProcessGroup of the tensor-parallel ranks; None when size == 1."""
-    symmetric: SymmetricAllReduce | None = None
-    """The one-kernel all-reduce of small tensors (GPUs with symmetric memory); None: NCCL only."""
 
 
 _GROUP = TensorParallelGroup()
 
 
-def set_tensor_parallel_group(rank: int, size: int, group, symmetric: SymmetricAllReduce | None = None) -> None:
-    """Declare this process's tensor-parallel group (rank, size, torch.distributed group, and the
-    symmetric-memory all-reduce when the runner set one up)."""
+def set_tensor_parallel_group(rank: int, size: int, group) -> None:
+    """Declare this process's tensor-parallel group (rank, size, torch.distributed group)."""
     global _GROUP
     if not 0 <= rank < size:
         raise ValueError(f"tensor-parallel rank {rank} is outside 0..{size - 1}")
     if size > 1 and group is None:
         raise ValueError("a tensor-parallel group of more than one rank needs its process group")
-    _GROUP = TensorParallelGroup(rank, size, group if size > 1 else None, symmetric if size > 1 else None)
+    _GROUP = TensorParallelGroup(rank, size, group if size > 1 else None)
 
 
 def reset_tensor_parallel_group() -> None:
@@ -56,12 +51,9 @@ def tensor_parallel_group() -> TensorParallelGroup:
 
 
 def tensor_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum `x` over the tensor-parallel group, in place; the identity for a single rank. Small
-    tensors take the symmetric-memory kernel where there is one (models/symmetric_all_reduce.py)."""
+    """Sum `x` over the tensor-parallel group, in place; the identity for a single rank."""
     if _GROUP.size == 1:
         return x
-    if _GROUP.symmetric is not None and _GROUP.symmetric.usable(x):
-        return _GROUP.symmetric.all_reduce_(x)
     import torch.distributed as dist
     dist.all_reduce(x, group=_GROUP.group)
     return x

@@ -20,17 +20,13 @@ Groups (docs/PARALLEL.md, "Process groups"):
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from models.symmetric_all_reduce import SymmetricAllReduce
 from runner.distributed.topology import Topology
-
-logger = logging.getLogger(__name__)
 
 NO_TIMEOUT = datetime.timedelta(days=365)
 
@@ -169,25 +165,6 @@ def all_gather_objects(value, groups: DistributedGroups) -> list:
     values = [None] * groups.world_size
     dist.all_gather_object(values, value, group=groups.control_group)
     return values
-
-
-def symmetric_all_reduce(max_bytes: int, device: torch.device, groups: DistributedGroups) -> SymmetricAllReduce | None:
-    """Set up this rank's symmetric-memory all-reduce (models/symmetric_all_reduce.py), or None.
-    Collective over the world: every rank allocates its buffer, all agree that every allocation
-    succeeded (else all keep NCCL, with a warning naming the error), then each TP group
-    rendezvouses. Only for CUDA tensor parallelism with `max_bytes` > 0."""
-    if device.type != "cuda" or groups.tp_group is None or max_bytes <= 0:
-        return None
-    try:
-        buffer, error = SymmetricAllReduce.allocate(max_bytes, device), None
-    except Exception as caught:  # noqa: BLE001 - no symmetric memory here: NCCL does every all-reduce
-        buffer, error = None, caught
-    if all_reduce_min(int(buffer is not None), groups) == 0:
-        if error is not None:
-            logger.warning("symmetric-memory all-reduce unavailable on rank %d (%s); NCCL does every all-reduce",
-                           groups.rank, error)
-        return None
-    return SymmetricAllReduce.rendezvous(buffer, groups.tp_group.group_name)
 
 
 class Agreement:
