@@ -157,9 +157,9 @@ for stage in "${STAGES[@]}"; do
       step profile-llama-1b 60 "${BENCH[@]}" profile_step --shape llama-3.2-1b --mode FULL --batch-size 1
       ;;
     pp)
-      step pp-tests 480 python3 -m pytest -q -p no:cacheprovider -m "cuda or multigpu" -rA tests/test_pipeline.py \
+      step pp-tests 300 python3 -m pytest -q -p no:cacheprovider -m "cuda or multigpu" -rA tests/test_pipeline.py \
         tests/test_tensor_parallel.py
-      step tp-decode 900 "${BENCH[@]}" decode --shapes llama-3-8b --modes FULL --batch-sizes 1 32 \
+      step tp-decode 240 "${BENCH[@]}" decode --shapes llama-3-8b --modes FULL --batch-sizes 1 32 \
         --tensor-parallel-size 1 2 --no-hf --no-plot --out "$OUT_DIR/tp-decode"
       ;;
   esac
