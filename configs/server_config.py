@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -23,3 +25,9 @@ class ServerConfig(BaseModel):
         "process: the step loop then never shares the GIL with HTTP and SSE work. Default: its own process "
         "when the engine runs on a GPU (at 256 streams it serves 1.8x the thread's tokens/s, docs/PERFORMANCE.md), "
         "a thread on a CPU (the forward uses every core; a second process only competes for them)"))
+    loop: Literal["auto", "asyncio", "uvloop"] = Field("auto", description=(
+        "the server's event loop: uvloop (libuv) runs the per-chunk loop work (callbacks, socket writes) "
+        "in C; auto: uvloop when it is installed, else asyncio's"))
+    http: Literal["auto", "h11", "httptools"] = Field("auto", description=(
+        "uvicorn's HTTP protocol: httptools (C parser and writer) or h11 (pure Python); auto: httptools "
+        "when it is installed"))

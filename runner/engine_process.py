@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import queue
 import signal
 import threading
@@ -202,6 +203,9 @@ class EngineProcessClient:
         """Deliver outputs to `loop` from now on."""
         self._loop, self._on_outputs, self._on_dead = loop, on_outputs, on_dead
         loop.add_reader(self._outputs_read.fileno(), self._readable)
+        # uvloop (libuv) makes a watched descriptor non-blocking; Connection.recv reads whole messages
+        # and would fail on a message that has only partly arrived, so the pipe goes back to blocking.
+        os.set_blocking(self._outputs_read.fileno(), True)
 
     def send(self, command: Command) -> None:
         self._commands.put(command)

@@ -1,6 +1,7 @@
 """`graphrunner serve --engine-process` (the engine core in its own process) against the default
 engine thread, on a tiny random checkpoint with a byte tokenizer: the same completions, streamed
-and whole, token for token, the same /v1/models and /metrics; and killing the engine process
+and whole, token for token, the same /v1/models and /metrics (the thread's server on asyncio's loop
+and h11, the process's on the defaults, uvloop and httptools where installed); and killing the engine process
 ends the request in flight with an error, makes /health answer 503 and new requests 503."""
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def checkpoint(tmp_path_factory):
 def servers(checkpoint):
     started = {}
     try:
-        started["thread"] = ServerProcess([checkpoint, *ARGS])
+        started["thread"] = ServerProcess([checkpoint, *ARGS, "--loop", "asyncio", "--http", "h11"])
         started["process"] = ServerProcess([checkpoint, *ARGS, "--engine-process"])
         yield started
     finally:
@@ -134,6 +135,8 @@ def test_bench_serve_starts_an_engine_process_server_and_compares_offline(tmp_pa
     report = json.loads((tmp_path / "out" / "results.json").read_text())
     assert report["server"]["completed"] == 4 and report["server"]["output_tokens"] == 16
     assert report["server"]["cpu_seconds"] > 0 and report["offline"]["output_tokens"] == 16
+    by_process = report["server"]["cpu_seconds_by_process"]   # the engine's steps run in the child
+    assert by_process["api"] > 0 and by_process["engine"] > 0
     assert report["ratios"]["server_over_offline_tokens_per_s"] > 0
     assert report["ratios"]["server_over_offline_cpu_per_token"] > 0
 
@@ -151,3 +154,26 @@ def test_engine_placement_defaults_to_a_process_on_a_gpu(choice, device, expecte
         expected = torch.cuda.is_available()
     engine_config = EngineConfig.from_kwargs(model="default", device=device)
     assert engine_in_own_process(ServerConfig(engine_process=choice), engine_config) is expected
+
+
+def test_event_loop_choice(monkeypatch):
+    """--loop asyncio: asyncio.run; auto: uvloop.run where uvloop is installed, else asyncio.run;
+    --loop uvloop without uvloop: an error naming the package, before any engine starts."""
+    import asyncio
+    import builtins
+    import sys
+
+    from runner.server.api_server import event_loop_runner
+    assert event_loop_runner("asyncio") is asyncio.run
+    uvloop = pytest.importorskip("uvloop") if sys.platform != "win32" else None
+    assert event_loop_runner("auto") is (uvloop.run if uvloop is not None else asyncio.run)
+    real_import = builtins.__import__
+
+    def no_uvloop(name, *args, **kwargs):
+        if name == "uvloop":
+            raise ImportError("no uvloop")
+        return real_import(name, *args, **kwargs)
+    monkeypatch.setattr(builtins, "__import__", no_uvloop)
+    assert event_loop_runner("auto") is asyncio.run
+    with pytest.raises(RuntimeError, match="--loop uvloop: uvloop is not installed"):
+        event_loop_runner("uvloop")

@@ -87,3 +87,17 @@ def test_every_engine_option_is_a_flag():
     config = EngineConfig.from_kwargs(model="default", **kwargs)
     assert config.cache.block_size == 32 and config.compilation.cudagraph_capture_sizes == [1, 4]
     assert engine_kwargs(parser.parse_args([])) == {}  # defaults stay in configs/
+
+
+@pytest.mark.parametrize("text", ["", "a", ' "quoted" \n', "é😀\u2028", "\x00text\x00", "\\", "</script>"])
+def test_text_chunk_template_is_byte_for_byte_json_dumps(text):
+    """Streams render plain text chunks from a template (runner/server/serving.py TextChunks): the
+    line must be exactly what encoding the whole body gives, for any text."""
+    import json
+
+    from runner.server.serving import TextChunks, sse
+
+    def body(t):
+        return {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": 'odd "model" \\u0000',
+                "choices": [{"index": 2, "text": t, "logprobs": None, "finish_reason": None, "stop_reason": None}]}
+    assert TextChunks(body)(text) == sse(json.dumps(body(text)))

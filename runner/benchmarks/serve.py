@@ -211,10 +211,12 @@ def run_offline(model: str, options: dict, requests: list[tuple[list[int], int]]
             "batch1_decode_step_s": percentiles(steps)}
 
 
-def server_cpu_seconds(proc) -> float | None:
-    """CPU seconds (user + system, all threads) of the started server and its child processes (the
-    engine process), from /proc; None without a started server or on a system without /proc. On a
-    shared host this is the figure that load from other processes does not distort."""
+def server_cpu_seconds(proc) -> dict[str, float] | None:
+    """CPU seconds (user + system, all threads) of the started server: {"api": the server process
+    itself (HTTP, SSE, outputs), "engine": its child processes (the engine process, if any)}, from
+    /proc; None without a started server or on a system without /proc. On a shared host this is the
+    figure that load from other processes does not distort; the split shows which process paces
+    the server."""
     if proc is None:
         return None
     try:
@@ -222,11 +224,13 @@ def server_cpu_seconds(proc) -> float | None:
         for pid in pids:
             children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
             pids.extend(int(child) for child in children)
-        total = 0
+        ticks = {}
         for pid in pids:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
-        return total / os.sysconf("SC_CLK_TCK")
+            ticks[pid] = int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+        per_s = os.sysconf("SC_CLK_TCK")
+        api = ticks.pop(proc.pid)
+        return {"api": api / per_s, "engine": sum(ticks.values()) / per_s}
     except (OSError, ValueError, IndexError):
         return None
 
@@ -248,6 +252,7 @@ def _start_server(args: argparse.Namespace):
     import threading
     command = [sys.executable, "-m", "runner.cli", "serve", args.model, "--host", "127.0.0.1", "--port", "0",
                *({True: ["--engine-process"], False: ["--no-engine-process"]}.get(args.engine_process, [])),
+               "--loop", args.loop, "--http", args.http,
                *_server_flags(args)]
     print("starting:", " ".join(command), flush=True)
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
@@ -287,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                         help="the started server runs its engine in its own process / a thread of the server "
                              "(serve --[no-]engine-process; default: the server's)")
+    parser.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto",
+                        help="the started server's event loop (serve --loop)")
+    parser.add_argument("--http", choices=["auto", "h11", "httptools"], default="auto",
+                        help="the started server's HTTP protocol (serve --http)")
     parser.add_argument("--server-timeout", type=float, default=900.0, help="seconds for a started server to be ready")
     parser.add_argument("--out", help="folder for results.json")
     add_engine_args(parser, skip=_SKIP)
@@ -300,9 +309,13 @@ def main(argv: list[str] | None = None) -> int:
         cpu = server_cpu_seconds(proc)
         results, seconds = asyncio.run(run_load(url, args.model, requests, args.request_rate, args.max_concurrency,
                                                 args.seed))
-        cpu = server_cpu_seconds(proc) - cpu if cpu is not None else None
+        after = server_cpu_seconds(proc)
         report["server"] = summarize(results, seconds)
-        report["server"]["cpu_seconds"] = cpu
+        if cpu is not None and after is not None:
+            report["server"]["cpu_seconds_by_process"] = {key: after[key] - cpu[key] for key in after}
+            report["server"]["cpu_seconds"] = sum(report["server"]["cpu_seconds_by_process"].values())
+        else:
+            report["server"]["cpu_seconds"] = None
         report["server_requests"] = [asdict(r) for r in results]
         print_summary(f"server: {len(requests)} requests, rate {args.request_rate}, "
                       f"max concurrency {args.max_concurrency}", report["server"])
@@ -328,8 +341,11 @@ def main(argv: list[str] | None = None) -> int:
             per_token = server_cpu / max(1, report["server"]["output_tokens"]) * 1e3
             offline_per_token = offline["cpu_seconds"] / max(1, offline["output_tokens"]) * 1e3
             report["ratios"]["server_over_offline_cpu_per_token"] = per_token / offline_per_token
-            print(f"   host CPU ms per output token: server {per_token:.3f} (its processes), offline "
-                  f"{offline_per_token:.3f}: {per_token / offline_per_token:.2f}x")
+            by_process = {key: seconds / max(1, report["server"]["output_tokens"]) * 1e3
+                          for key, seconds in report["server"]["cpu_seconds_by_process"].items()}
+            print(f"   host CPU ms per output token: server {per_token:.3f} (API process {by_process['api']:.3f}, "
+                  f"engine process {by_process['engine']:.3f}), offline {offline_per_token:.3f}: "
+                  f"{per_token / offline_per_token:.2f}x")
         print(f"   single-stream ITL p50 / batch-1 step p50: {itl / step:.3f} (goal <= 1.15)")
     if args.out:
         out = Path(args.out)

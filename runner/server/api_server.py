@@ -32,7 +32,25 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="log level of the HTTP server (uvicorn)")
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=defaults.engine_process,
                         help=ServerConfig.model_fields["engine_process"].description)
+    parser.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default=defaults.loop,
+                        help=ServerConfig.model_fields["loop"].description)
+    parser.add_argument("--http", choices=["auto", "h11", "httptools"], default=defaults.http,
+                        help=ServerConfig.model_fields["http"].description)
     add_engine_args(parser)
+
+
+def event_loop_runner(loop: str):
+    """What runs the server's coroutine for `ServerConfig.loop`: `uvloop.run` or `asyncio.run`.
+    "uvloop" without uvloop installed is an error that says so; "auto" falls back quietly."""
+    if loop == "asyncio":
+        return asyncio.run
+    try:
+        import uvloop
+    except ImportError:
+        if loop == "uvloop":
+            raise RuntimeError("--loop uvloop: uvloop is not installed (pip install uvloop)") from None
+        return asyncio.run
+    return uvloop.run
 
 
 def engine_in_own_process(config: ServerConfig, engine_config: EngineConfig) -> bool:
@@ -53,7 +71,8 @@ def serve(args: argparse.Namespace) -> int:
 
     config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                           max_waiting_requests=args.max_waiting_requests, uvicorn_log_level=args.uvicorn_log_level,
-                          engine_process=args.engine_process)
+                          engine_process=args.engine_process, loop=args.loop, http=args.http)
+    run_event_loop = event_loop_runner(config.loop)  # a missing uvloop fails before the engine starts
     engine_config = EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args))
     logger.setLevel(logging.INFO)  # the start-up and ready lines show without -v
     started = time.perf_counter()
@@ -78,7 +97,8 @@ def serve(args: argparse.Namespace) -> int:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((config.host, config.port))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level=config.uvicorn_log_level, timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=config.uvicorn_log_level, timeout_graceful_shutdown=5,
+                                           http=config.http))
 
     async def run() -> None:
         serving = asyncio.ensure_future(server.serve(sockets=[sock]))
@@ -89,7 +109,7 @@ def serve(args: argparse.Namespace) -> int:
         await serving
 
     try:
-        asyncio.run(run())
+        run_event_loop(run())
     finally:
         sock.close()
     return 0

@@ -3,10 +3,11 @@ waiting-queue bound, and running one prompt's request to its per-choice results.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from configs import SamplingParams, ServerConfig
 from runner.async_llm import AsyncLLM, EngineLoopError
@@ -140,3 +141,22 @@ def prompt_logprobs_json(prompt_logprobs) -> list:
 
 def sse(payload: str) -> str:
     return f"data: {payload}\n\n"
+
+
+class TextChunks:
+    """The SSE lines of one stream's plain text chunks (no logprobs, no token ids, not the last),
+    from a template: the chunk's JSON with everything but the text fixed, so a token costs one
+    string encoding and two concatenations instead of encoding the whole nested body (json.dumps
+    took a tenth of the API process's time at 256 streams). Each line is exactly
+    `sse(json.dumps(body(text)))`."""
+
+    _MARK = "\x00text\x00"
+
+    def __init__(self, body: Callable[[str], dict]) -> None:
+        head, found, tail = json.dumps(body(self._MARK)).partition(json.dumps(self._MARK))
+        if not found:
+            raise ValueError("the chunk body does not hold its text as a JSON string")
+        self.head, self.tail = "data: " + head, tail + "\n\n"
+
+    def __call__(self, text: str) -> str:
+        return self.head + json.dumps(text) + self.tail

@@ -7,7 +7,7 @@ import json
 from typing import AsyncIterator
 
 from runner.server.protocol import APIError, ChatCompletionRequest, ChatMessage
-from runner.server.serving import Choice, OpenAIServing, now, random_id, sse, top_entries, usage
+from runner.server.serving import Choice, OpenAIServing, TextChunks, now, random_id, sse, top_entries, usage
 from runner.server.serving_completion import error_body
 
 
@@ -86,11 +86,16 @@ class ServingChat(OpenAIServing):
         started: set[int] = set()
         completion_tokens = 0
 
-        def chunk(index: int, delta: dict, logprobs=None, finish_reason=None, stop_reason=None) -> str:
-            return sse(json.dumps({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                                   "model": self.model_name,
-                                   "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                                "finish_reason": finish_reason, "stop_reason": stop_reason}]}))
+        def chunk_body(index: int, delta: dict, logprobs=None, finish_reason=None, stop_reason=None) -> dict:
+            return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                 "finish_reason": finish_reason, "stop_reason": stop_reason}]}
+
+        def chunk(*args) -> str:
+            return sse(json.dumps(chunk_body(*args)))
+
+        plain = not request.logprobs and not request.return_token_ids
+        text_chunks: dict[int, TextChunks] = {}   # by choice index: its plain content chunks' template
 
         try:
             async for out in self.stream(token_ids, params, request_id):
@@ -100,6 +105,13 @@ class ServingChat(OpenAIServing):
                         started.add(delta.index)
                         yield chunk(delta.index, {"role": "assistant", "content": ""})
                     if not delta.text and not delta.token_ids and delta.finish_reason is None:
+                        continue
+                    if plain and delta.finish_reason is None:
+                        texts = text_chunks.get(delta.index)
+                        if texts is None:
+                            texts = text_chunks[delta.index] = TextChunks(
+                                lambda text, i=delta.index: chunk_body(i, {"content": text}))
+                        yield texts(delta.text)
                         continue
                     logprobs = self._logprobs(delta.logprobs or [], request.top_logprobs or 0) \
                         if request.logprobs else None

@@ -8,7 +8,8 @@ import json
 from typing import AsyncIterator
 
 from runner.server.protocol import APIError, CompletionRequest
-from runner.server.serving import Choice, OpenAIServing, accumulate, now, random_id, sse, top_entries, usage
+from runner.server.serving import (Choice, OpenAIServing, TextChunks, accumulate, now, random_id, sse, top_entries,
+                                   usage)
 
 
 class ServingCompletion(OpenAIServing):
@@ -104,6 +105,8 @@ class ServingCompletion(OpenAIServing):
         prompt_tokens = sum(len(ids) for ids, _, _ in runs)
         completion_tokens = 0
         offsets: dict[int, int] = {}
+        plain = request.logprobs is None and not request.return_token_ids
+        text_chunks: dict[int, TextChunks] = {}   # by choice index: its plain text chunks' template
 
         async def pump(prompt_index: int, token_ids, params) -> None:
             try:
@@ -150,6 +153,13 @@ class ServingCompletion(OpenAIServing):
                     index = prompt_index * request.n + delta.index
                     completion_tokens += len(delta.token_ids)
                     if not delta.text and not delta.token_ids and delta.finish_reason is None:
+                        continue
+                    if plain and delta.finish_reason is None:
+                        texts = text_chunks.get(index)
+                        if texts is None:
+                            texts = text_chunks[index] = TextChunks(
+                                lambda text, i=index: self._chunk(request_id, created, i, text, None, None, None))
+                        yield texts(delta.text)
                         continue
                     logprobs = None
                     if request.logprobs is not None:
