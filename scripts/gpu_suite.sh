@@ -15,7 +15,8 @@
 #               (with OLD_TREE=DIR also that tree's throughput, in the same run)
 #   features    the sampling stage at batch 1/32/256 (the Triton kernels, the default, then the torch path)
 #               structured output's cost at batch 32, and the OpenAI server against offline
-#               generation with the engine in a thread and in its own process (Llama-3.2-1B shape)
+#               generation with the engine in a thread and in its own process (Llama-3.2-1B shape;
+#               the process also with 1024 output tokens)
 #   startup     LLM(...) to ready with empty then warm caches (Llama-3.2-1B, Qwen3-0.6B shapes), and
 #               weight loading to the GPU against reading the file
 #   capture     start-up: capture of the default sizes cold then warm, graph memory estimate vs
@@ -138,6 +139,9 @@ for stage in "${STAGES[@]}"; do
       serve=(serve --model "$served" --load-format dummy --num-prompts 256 --input-len 256 --output-len 128 --offline)
       step serve-thread 240 "${BENCH[@]}" "${serve[@]}" --no-engine-process --out "$OUT_DIR/serve-thread"
       step serve-process 240 "${BENCH[@]}" "${serve[@]}" --engine-process --out "$OUT_DIR/serve-process"
+      # 1024 output tokens: the steady state, where the API process paces the server (the ramp is < 5%).
+      step serve-process-1024 300 "${BENCH[@]}" serve --model "$served" --load-format dummy --num-prompts 256 \
+        --input-len 256 --output-len 1024 --offline --engine-process --out "$OUT_DIR/serve-process-1024"
       ;;
     startup)
       step startup 300 "${BENCH[@]}" startup --no-cpu --out "$OUT_DIR/startup"
