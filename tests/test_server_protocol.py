@@ -90,14 +90,20 @@ def test_every_engine_option_is_a_flag():
 
 
 @pytest.mark.parametrize("text", ["", "a", ' "quoted" \n', "é😀\u2028", "\x00text\x00", "\\", "</script>"])
-def test_text_chunk_template_is_byte_for_byte_json_dumps(text):
-    """Streams render plain text chunks from a template (runner/server/serving.py TextChunks): the
-    line must be exactly what encoding the whole body gives, for any text."""
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_text_chunk_template_is_byte_for_byte_json_dumps(text, with_ids):
+    """Streams render plain chunks from a template (runner/server/serving.py TextChunks), with the
+    token ids when the request asked for them: the line must be exactly what encoding the whole
+    body gives, for any text."""
     import json
 
     from runner.server.serving import TextChunks, sse
 
-    def body(t):
+    def body(t, ids):
+        choice = {"index": 2, "text": t, "logprobs": None, "finish_reason": None, "stop_reason": None}
+        if with_ids:
+            choice["token_ids"] = ids
         return {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": 'odd "model" \\u0000',
-                "choices": [{"index": 2, "text": t, "logprobs": None, "finish_reason": None, "stop_reason": None}]}
-    assert TextChunks(body)(text) == sse(json.dumps(body(text)))
+                "choices": [choice]}
+    for ids in ([], [5], [0, 49151, 7]):
+        assert TextChunks(body)(text, ids) == sse(json.dumps(body(text, ids)))

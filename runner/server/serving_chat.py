@@ -94,7 +94,7 @@ class ServingChat(OpenAIServing):
         def chunk(*args) -> str:
             return sse(json.dumps(chunk_body(*args)))
 
-        plain = not request.logprobs and not request.return_token_ids
+        plain = not request.logprobs
         text_chunks: dict[int, TextChunks] = {}   # by choice index: its plain content chunks' template
 
         try:
@@ -110,8 +110,10 @@ class ServingChat(OpenAIServing):
                         texts = text_chunks.get(delta.index)
                         if texts is None:
                             texts = text_chunks[delta.index] = TextChunks(
-                                lambda text, i=delta.index: chunk_body(i, {"content": text}))
-                        yield texts(delta.text)
+                                lambda text, ids, i=delta.index: chunk_body(
+                                    i, {"content": text, "token_ids": ids} if request.return_token_ids
+                                    else {"content": text}))
+                        yield texts(delta.text, list(delta.token_ids))
                         continue
                     logprobs = self._logprobs(delta.logprobs or [], request.top_logprobs or 0) \
                         if request.logprobs else None

@@ -105,7 +105,7 @@ class ServingCompletion(OpenAIServing):
         prompt_tokens = sum(len(ids) for ids, _, _ in runs)
         completion_tokens = 0
         offsets: dict[int, int] = {}
-        plain = request.logprobs is None and not request.return_token_ids
+        plain = request.logprobs is None
         text_chunks: dict[int, TextChunks] = {}   # by choice index: its plain text chunks' template
 
         async def pump(prompt_index: int, token_ids, params) -> None:
@@ -158,17 +158,16 @@ class ServingCompletion(OpenAIServing):
                         texts = text_chunks.get(index)
                         if texts is None:
                             texts = text_chunks[index] = TextChunks(
-                                lambda text, i=index: self._chunk(request_id, created, i, text, None, None, None))
-                        yield texts(delta.text)
+                                lambda text, ids, i=index: self._chunk(request_id, created, i, text, None, None, None,
+                                                                       ids if request.return_token_ids else None))
+                        yield texts(delta.text, list(delta.token_ids))
                         continue
                     logprobs = None
                     if request.logprobs is not None:
                         logprobs = self._logprobs(delta.logprobs or [], request.logprobs, offsets.get(index, 0))
                         offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
                     chunk = self._chunk(request_id, created, index, delta.text, logprobs, delta.finish_reason,
-                                        delta.stop_reason)
-                    if request.return_token_ids:
-                        chunk["choices"][0]["token_ids"] = list(delta.token_ids)
+                                        delta.stop_reason, list(delta.token_ids) if request.return_token_ids else None)
                     yield sse(json.dumps(chunk))
             if request.stream_options is not None and request.stream_options.include_usage:
                 yield sse(json.dumps({"id": request_id, "object": "text_completion", "created": created,
@@ -181,10 +180,13 @@ class ServingCompletion(OpenAIServing):
                 task.cancel()
 
     def _chunk(self, request_id: str, created: int, index: int, text: str, logprobs, finish_reason,
-               stop_reason) -> dict:
+               stop_reason, token_ids: list[int] | None = None) -> dict:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                  "stop_reason": stop_reason}
+        if token_ids is not None:   # return_token_ids
+            choice["token_ids"] = token_ids
         return {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
-                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
-                             "stop_reason": stop_reason}]}
+                "choices": [choice]}
 
 
 def error_body(error: BaseException) -> dict:
