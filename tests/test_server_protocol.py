@@ -107,3 +107,16 @@ def test_text_chunk_template_is_byte_for_byte_json_dumps(text, with_ids):
                 "choices": [choice]}
     for ids in ([], [5], [0, 49151, 7]):
         assert TextChunks(body)(text, ids) == sse(json.dumps(body(text, ids)))
+
+
+def test_the_serving_process_freezes_its_start_up_heap_and_collects_in_larger_batches():
+    import gc
+
+    from runner.server.api_server import GC_THRESHOLD, quiet_garbage_collector
+    before = gc.get_threshold()
+    try:
+        quiet_garbage_collector()
+        assert gc.get_threshold() == GC_THRESHOLD and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)

@@ -53,6 +53,24 @@ def event_loop_runner(loop: str):
     return uvloop.run
 
 
+GC_THRESHOLD = (50_000, 20, 100)
+"""The serving process's collector thresholds (Python's default: 700, 10, 10)."""
+
+
+def quiet_garbage_collector() -> None:
+    """Once start-up is done: move everything alive now (modules, the tokenizer, the app) out of
+    the collector's reach (`gc.freeze`), and collect the young generation every 50,000 allocations
+    instead of 700. Each streamed token allocates a handful of short-lived objects (its output,
+    chunk and ASGI message), so at 256 streams the default thresholds run a collection every few
+    steps; with these the API process spent 13% less CPU per token (docs/PERFORMANCE.md, Serving:
+    0.0676 against 0.0775 ms, medians of three interleaved pairs on a CPU). Reference cycles are
+    still collected, just in larger batches."""
+    import gc
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLD)
+
+
 def engine_in_own_process(config: ServerConfig, engine_config: EngineConfig) -> bool:
     """`ServerConfig.engine_process`, or where it is None, whether the engine runs on a GPU."""
     if config.engine_process is not None:
@@ -108,6 +126,7 @@ def serve(args: argparse.Namespace) -> int:
             print(f"graphrunner: serving {model_name} at http://{config.host}:{port}", flush=True)
         await serving
 
+    quiet_garbage_collector()
     try:
         run_event_loop(run())
     finally:
