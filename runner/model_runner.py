@@ -175,6 +175,7 @@ class ModelRunner(GraphStartUp):
         for wrapper in (self.full, self.piecewise):
             if wrapper is not None:
                 wrapper.release_graphs()
+        gc.unfreeze()  # a serving process froze its start-up heap (quiet_garbage_collector): graphs included
         gc.collect()  # graphs in reference cycles go now, not at some later collection
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

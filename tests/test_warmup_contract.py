@@ -90,7 +90,13 @@ def test_profile_run_skips_capture_then_capture_sets_ready(runner_factory, caplo
     assert captured == expected_graphs == runner.capture_summary.num_graphs
     mode_now, desc = runner.dispatcher.dispatch(3, 3, True)
     assert mode_now == CUDAGraphMode(mode).decode_mode() and desc.num_tokens == 4
-    runner.release_cuda_graphs()  # what a parallel rank does before destroying its NCCL groups
+    import gc
+    gc.freeze()   # as a serving process does after start-up (quiet_garbage_collector)
+    try:
+        runner.release_cuda_graphs()  # what a parallel rank does before destroying its NCCL groups
+        assert gc.get_freeze_count() == 0   # frozen graphs in reference cycles are collectable again
+    finally:
+        gc.unfreeze()
     assert all(w.num_captured == 0 for w in (runner.full, runner.piecewise) if w is not None)
 
 
