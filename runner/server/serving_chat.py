@@ -113,7 +113,7 @@ class ServingChat(OpenAIServing):
                                 lambda text, ids, i=delta.index: chunk_body(
                                     i, {"content": text, "token_ids": ids} if request.return_token_ids
                                     else {"content": text}))
-                        yield texts(delta.text, list(delta.token_ids))
+                        yield texts(delta.text, delta.token_ids)
                         continue
                     logprobs = self._logprobs(delta.logprobs or [], request.top_logprobs or 0) \
                         if request.logprobs else None

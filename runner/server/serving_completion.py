@@ -160,7 +160,7 @@ class ServingCompletion(OpenAIServing):
                             texts = text_chunks[index] = TextChunks(
                                 lambda text, ids, i=index: self._chunk(request_id, created, i, text, None, None, None,
                                                                        ids if request.return_token_ids else None))
-                        yield texts(delta.text, list(delta.token_ids))
+                        yield texts(delta.text, delta.token_ids)
                         continue
                     logprobs = None
                     if request.logprobs is not None:
