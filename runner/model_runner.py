@@ -326,17 +326,10 @@ class ModelRunner(GraphStartUp):
         return self.sample(sched.scheduled, hidden, common)
 
     def sample_tensor_parallel(self, reqs: list[ScheduledRequest], hidden, common) -> ModelRunnerOutput | None:
-        """The last stage of a tensor-parallel engine. The logits of the vocabulary-parallel LM head
-        are gathered across the TP group (a collective), so every TP rank computes them, in the
-        same calls: once for the step's sampling rows, once for its prompt-logprob rows. Only TP
-        rank 0 samples (the sampler rank; its tokens go to rank 0); the others return None."""
-        rows = [i for i, r in enumerate(reqs) if r.sample]
-        logits = self._sampling_logits(reqs, rows, hidden, common) if rows else None
-        if self.tp_rank != 0:
-            if any(r.sampling_params.prompt_logprobs is not None for r in reqs):
-                self._prompt_logprobs(reqs, hidden, common)   # its logits: the same collective as rank 0's
-            return None
-        return self.sample(reqs, hidden, common, logits)
+        """The last stage of a tensor-parallel engine, synchronous: TP rank 0's tokens (the sampler
+        rank's, which go to rank 0); the others return None (`_launch_tensor_parallel_sampling`)."""
+        pending = self._launch_tensor_parallel_sampling(reqs, hidden, common, share_tokens=False)
+        return pending.resolve() if self.tp_rank == 0 else None
 
     @torch.inference_mode()
     def execute_async(self, sched: SchedulerOutput, decision=None) -> PendingOutput:
@@ -344,7 +337,7 @@ class ModelRunner(GraphStartUp):
         are gathered on the device from the previous launch's tokens, and the sampled tokens stay
         on the device with a non-blocking copy to pinned host memory under way. The whole model
         (one pipeline stage): one process, or every rank of a tensor-parallel group, each launching
-        its share (`decision`: rank 0's, as in `execute`; see `_sample_tensor_parallel_async`)."""
+        its share (`decision`: rank 0's, as in `execute`; see `_launch_tensor_parallel_sampling`)."""
         self.sampling.release(sched.finished_ids)  # preempted requests keep their generators and counts
         self.prompt_logprobs.release(sched.finished_ids)
         if not sched.scheduled:
@@ -352,29 +345,30 @@ class ModelRunner(GraphStartUp):
         mode, desc, padded_tokens, common = self.prepare(sched, decision)
         hidden = self._forward(padded_tokens, common, mode, desc)
         if self.tp_size > 1:
-            pending = self._sample_tensor_parallel_async(sched.scheduled, hidden, common)
+            pending = self._launch_tensor_parallel_sampling(sched.scheduled, hidden, common, share_tokens=True)
         else:
             pending = self.sample_async(sched.scheduled, hidden, common)
         self._prev_sampled = pending.sampled  # last: a failed launch leaves the previous step's tokens
         return pending
 
-    def _sample_tensor_parallel_async(self, reqs: list[ScheduledRequest], hidden, common) -> PendingOutput:
-        """Async scheduling with tensor parallelism: every TP rank computes the step's logits (the
-        same collectives as `sample_tensor_parallel`), TP rank 0 samples, and its tokens reach the
-        other ranks' devices by a broadcast enqueued behind the step (no host sync), so every rank
-        fills the next step's placeholder inputs from the same tokens. The other ranks' result
-        carries only those tokens."""
+    def _launch_tensor_parallel_sampling(self, reqs: list[ScheduledRequest], hidden, common,
+                                         share_tokens: bool) -> PendingOutput:
+        """The logits of the vocabulary-parallel LM head are gathered across the TP group (a
+        collective), so every TP rank computes them, in the same calls: once for the step's
+        sampling rows, once for its prompt-logprob rows. Only TP rank 0 samples. `share_tokens`
+        (async scheduling): its tokens then reach the other ranks' devices by a broadcast enqueued
+        behind the step (no host sync), so every rank fills the next step's placeholder inputs from
+        the same tokens; the other ranks' result carries only those tokens."""
         rows = [i for i, r in enumerate(reqs) if r.sample]
         logits = self._sampling_logits(reqs, rows, hidden, common) if rows else None
         if self.tp_rank == 0:
             pending = self.sample_async(reqs, hidden, common, logits)
-            if rows:
+            if share_tokens and rows:
                 tensor_parallel_broadcast(pending.sampled.long())
             return pending
-        if any(r.sampling_params.prompt_logprobs is not None for r in reqs):
-            self._prompt_logprobs(reqs, hidden, common)   # its logits: the same collective as rank 0's
+        self._prompt_logprobs(reqs, hidden, common)   # its logits: the same collective as rank 0's (if any)
         tokens = None
-        if rows:
+        if share_tokens and rows:
             tokens = tensor_parallel_broadcast(torch.empty(len(rows), dtype=torch.int64, device=self.device))
         return PendingOutput(lambda: ModelRunnerOutput({}), None, tokens)
 

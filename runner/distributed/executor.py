@@ -337,7 +337,7 @@ class DistributedExecutor:
         """Async scheduling (tensor parallelism, one pipeline stage): broadcast the step and its
         graph decision, launch rank 0's share and return without waiting. The workers launch
         theirs; rank 0 samples and its tokens reach their devices in the step's own broadcast
-        (ModelRunner._sample_tensor_parallel_async), so no reply comes back to wait for."""
+        (ModelRunner._launch_tensor_parallel_sampling), so no reply comes back to wait for."""
         self._check_usable()
         state = self._state
         try:

@@ -154,10 +154,10 @@ class TextChunks:
 
     def __init__(self, body: Callable[[str, object], dict]) -> None:
         head, found, rest = json.dumps(body(self._TEXT, self._IDS)).partition(json.dumps(self._TEXT))
-        middle, self.with_ids, tail = rest.partition(json.dumps(self._IDS))
+        middle, ids_found, tail = rest.partition(json.dumps(self._IDS))
         if not found or json.dumps(self._IDS) in head:
             raise ValueError("the chunk body must hold its text as a JSON string, before its token ids")
-        self.head = "data: " + head
+        self.head, self.with_ids = "data: " + head, bool(ids_found)
         self.middle, self.tail = (middle, tail + "\n\n") if self.with_ids else ("", middle + "\n\n")
 
     def __call__(self, text: str, token_ids: list[int] | None = None) -> str:
