@@ -81,9 +81,10 @@ class KernelConfig(BaseModel):
                                   "torch attention backend: keep a dense per-layer K/V copy instead of gathering "
                                   "the paged cache every layer [GRAPHRUNNER_TORCH_DENSE_KV]")
     triton_sampling: bool = _field("GRAPHRUNNER_TRITON_SAMPLING", "triton_sampling", True,
-                                   "GPU: the min-p/top-k/top-p thresholds in one Triton launch, the random draw "
-                                   "and the penalties in one Triton pass each (runner/sampling/threshold_kernel.py, "
-                                   "race_kernel.py, penalty_kernel.py); off: the torch ops, their reference "
+                                   "GPU: the penalties, the float32 copy and the top-k candidates in one Triton pass, "
+                                   "the min-p/top-k/top-p thresholds in one launch, the random draw in one pass "
+                                   "(runner/sampling/logits_pass.py, threshold_kernel.py, race_kernel.py); off: "
+                                   "the torch ops, their reference "
                                    "[GRAPHRUNNER_TRITON_SAMPLING]")
     cache_dir: str = _field("GRAPHRUNNER_CACHE_DIR", "cache_dir", default_home,
                             "the one folder of every compiled-kernel cache: C libraries in <cache_dir>/native, "

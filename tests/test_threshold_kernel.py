@@ -2,7 +2,8 @@
 torch path of the sampler (`Sampler.threshold` on a CPU, the reference) on random batches: ties
 (also with the k-th value past the candidates), top_k past the vocabulary, each filter alone and
 mixed, greedy rows beside random ones, -inf logits and rows of -inf only, float32 and bf16 logits,
-the top-k candidates and the full sort. In Triton's interpreter here; on a GPU (cuda marker) the
+the top-k candidates (from torch.topk and from runner/sampling/logits_pass.py's lists) and the
+full sort. In Triton's interpreter here; on a GPU (cuda marker) the
 kernel against the same CPU reference, and the sampler's GPU path with the kernel against it."""
 
 from __future__ import annotations
@@ -62,10 +63,24 @@ def _metadata(params: list[SamplingParams], full_sort: bool, device: str) -> Sam
     return metadata
 
 
-def _kernel_thresholds(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+def _kernel_thresholds(logits: torch.Tensor, metadata: SamplingMetadata, via_pass: bool = False) -> torch.Tensor:
+    """The kernel's thresholds from torch.topk's candidates, or `via_pass` from the lists of
+    runner/sampling/logits_pass.py (where they apply: top-k candidates past 1 and up to its most)."""
+    from runner.sampling.logits_pass import logits_pass
     from runner.sampling.threshold_kernel import thresholds
+    if via_pass:
+        k = Sampler._top_count(metadata, logits.shape[-1])
+        found = logits_pass(logits, None, None, k + 1)
+        return thresholds(found.values, k, logits, metadata.scale, metadata.min_p_offset, metadata.top_k,
+                          metadata.top_p, found.lengths)
     values, k = Sampler._candidates(logits, metadata, extra=1)
     return thresholds(values, k, logits, metadata.scale, metadata.min_p_offset, metadata.top_k, metadata.top_p)
+
+
+def _pass_applies(logits: torch.Tensor, metadata: SamplingMetadata) -> bool:
+    from runner.sampling.logits_pass import MAX_CANDIDATES
+    k = Sampler._top_count(metadata, logits.shape[-1])
+    return 0 < k < logits.shape[-1] and k + 1 <= MAX_CANDIDATES
 
 
 def _close_call(x: torch.Tensor, params: SamplingParams) -> bool:
@@ -91,21 +106,27 @@ def _close_call(x: torch.Tensor, params: SamplingParams) -> bool:
     return bool(((above - params.top_p * total).abs() <= 1e-5 * total).any())
 
 
-def _check(device: str, count: int):
-    checked = exact = 0
-    for logits, params, full_sort in _cases(count):
+def _check(device: str, count: int, pass_every: int = 1):
+    """`count` random batches through the kernel with torch.topk's candidates, and every
+    `pass_every`-th one (where it applies) with the pass's lists too."""
+    checked = exact = via_pass = 0
+    for case, (logits, params, full_sort) in enumerate(_cases(count)):
         want = sampler.threshold(logits, _metadata(params, full_sort, "cpu"))   # the torch path on the CPU
         if want is None:
             continue
-        got = _kernel_thresholds(logits.to(device), _metadata(params, full_sort, device)).cpu()
-        assert got.shape == want.shape and got.dtype == torch.float32
-        for row, p in enumerate(params):
-            if not torch.equal(got[row], want[row]):
-                assert _close_call(logits[row], p), (logits[row], p, got[row], want[row])
-            else:
-                exact += 1
-        checked += len(params)
-    assert checked > count and exact > 0.99 * checked
+        metadata = _metadata(params, full_sort, device)
+        ways = [False] + ([True] if case % pass_every == 0 and _pass_applies(logits, metadata) else [])
+        for way in ways:
+            got = _kernel_thresholds(logits.to(device), metadata, way).cpu()
+            assert got.shape == want.shape and got.dtype == torch.float32
+            for row, p in enumerate(params):
+                if not torch.equal(got[row], want[row]):
+                    assert _close_call(logits[row], p), (logits[row], p, got[row], want[row], way)
+                else:
+                    exact += 1
+            checked += len(params)
+            via_pass += way
+    assert checked > count and exact > 0.99 * checked and via_pass >= count // (20 * pass_every)
 
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -114,7 +135,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 @pytest.mark.skipif(not INTERPRET, reason="Triton on a CPU needs TRITON_INTERPRET=1")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # rows of -inf: -inf - -inf
 def test_threshold_kernel_equals_the_torch_path_in_the_interpreter():
-    _check("cpu", 300)
+    _check("cpu", 300, pass_every=10)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="Triton on a CPU needs TRITON_INTERPRET=1")

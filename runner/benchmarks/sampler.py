@@ -5,8 +5,9 @@
 For each batch size (default 1, 32, 256) over a Llama-3.2-1B-size vocabulary (128256) of bf16
 logits: `greedy` (the plain greedy fast path), `random` (temperature, top-k 50, top-p 0.9),
 `penalties` (`random` plus presence, frequency and repetition penalties over a 512-token
-prompt, counts growing every step) and `bitmask` (`random` plus a random int32 token bitmask
-expanded to a bool mask and applied with masked_fill, the way a structured-output mask is).
+prompt, counts growing every step) and `bitmask` (`random` plus a structured-output token
+bitmask of random bits on every row, handed to the stage as the engine hands it: on a GPU the
+first pass over the logits applies it).
 The stage's tensors are built once; each timed step runs the whole stage: host-side metadata,
 the processors, the sampler, the copy of the tokens to the host. CUDA events time it on a GPU
 (perf_counter on a CPU); the median of `--iters` steps after `--warmup`. With `--step-ms` (a
@@ -29,6 +30,7 @@ import torch
 from configs import SamplingParams
 from runner.sampling import SamplingStage, argmax_rows
 from runner.scheduler import ScheduledRequest
+from runner.structured_output.bitmask import TokenBitmask
 
 SCENARIOS = ("greedy", "random", "penalties", "bitmask")
 
@@ -42,13 +44,6 @@ def _params(scenario: str) -> SamplingParams:
     return SamplingParams(temperature=0.8, top_k=50, top_p=0.9, **extra)
 
 
-def _bitmask_fill(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """logits with every token whose bit is 0 set to -inf (xgrammar's int32 bitmask layout)."""
-    bits = torch.arange(32, device=logits.device, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :logits.shape[1]]
-    return logits.masked_fill(~allowed, float("-inf"))
-
-
 def time_stage(scenario: str, batch: int, vocab: int, device: torch.device, iters: int, warmup: int,
                prompt_len: int = 512, host_times: list[float] | None = None) -> list[float]:
     """Milliseconds per step of the whole sampling stage, one entry per timed step; `host_times`,
@@ -60,12 +55,16 @@ def time_stage(scenario: str, batch: int, vocab: int, device: torch.device, iter
     params = _params(scenario)
     reqs = [ScheduledRequest(f"r{i}", [0], 0, [], True, params, 0, -1, frozenset({vocab - 1}), prompt, None,
                              params.needs_logits_processors) for i in range(batch)]
-    words = (vocab + 31) // 32
-    bitmask = torch.randint(-2**31, 2**31 - 1, (batch, words), device=device, dtype=torch.int32, generator=g)
+    token_bitmask = None
+    if scenario == "bitmask":
+        words = (vocab + 31) // 32
+        bitmask = torch.randint(-2**31, 2**31 - 1, (batch, words), device=device, dtype=torch.int32, generator=g)
+        every_row = torch.arange(batch, dtype=torch.int32, device=device)
+        token_bitmask = TokenBitmask(bitmask, every_row, vocab, torch.ones_like(every_row))
     stage = SamplingStage(vocab, device)
 
     def logits_fn():
-        return _bitmask_fill(logits, bitmask) if scenario == "bitmask" else logits
+        return logits
 
     times = []
     for step in range(warmup + iters):
@@ -75,7 +74,7 @@ def time_stage(scenario: str, batch: int, vocab: int, device: torch.device, iter
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             t0 = time.perf_counter()
-            pending = stage.launch(reqs, logits_fn, lambda: argmax_rows(logits))
+            pending = stage.launch(reqs, logits_fn, lambda: argmax_rows(logits), token_bitmask=token_bitmask)
             host = (time.perf_counter() - t0) * 1e3
             pending.resolve()
             end.record()
@@ -83,7 +82,7 @@ def time_stage(scenario: str, batch: int, vocab: int, device: torch.device, iter
             elapsed = start.elapsed_time(end)
         else:
             t0 = time.perf_counter()
-            pending = stage.launch(reqs, logits_fn, lambda: argmax_rows(logits))
+            pending = stage.launch(reqs, logits_fn, lambda: argmax_rows(logits), token_bitmask=token_bitmask)
             host = (time.perf_counter() - t0) * 1e3
             pending.resolve()
             elapsed = (time.perf_counter() - t0) * 1e3

@@ -3,7 +3,8 @@
 - `stage.py`: `SamplingStage`, the one path the runner calls, sync and async scheduling alike
   (it keeps a step's processors and metadata for the next step with the same rows);
 - `processors.py`: min_tokens, penalties, logit_bias, allowed_token_ids, bad words (batched);
-  `penalty_kernel.py`: the penalties in one Triton pass over the logits on a GPU;
+  `logits_pass.py`: the penalties, the float32 copy and the top-k candidates in one Triton
+  pass over the logits on a GPU (`kernels.py` imports the optional Triton modules);
 - `state.py`: per-request state across steps: seeded generators, token counts on the device;
 - `sampler.py`: the batched sampler (greedy, temperature, min-p / top-k / top-p, seeds, logprobs);
   `race_kernel.py`: its random draw in one Triton pass over the logits on a GPU;

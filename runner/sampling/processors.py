@@ -12,26 +12,16 @@ the sampler.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from configs.kernel_config import active_kernel_config
+from runner.sampling.kernels import triton_module
 from runner.sampling.state import SamplingStates, needs_token_state
 from runner.scheduler import ScheduledRequest
 
 _NEG_INF = float("-inf")
-
-
-@functools.cache
-def _penalty_kernel():
-    """runner/sampling/penalty_kernel.py (Triton), or None where Triton is not installed."""
-    try:
-        from runner.sampling import penalty_kernel
-    except ImportError:
-        return None
-    return penalty_kernel
 
 
 def needs_processors(req: ScheduledRequest) -> bool:
@@ -51,6 +41,10 @@ class _Penalties:
     any_additive: bool
     all_rows: bool = False
     """Every row of the batch, in order: the logits are changed in place, no gather and scatter."""
+    row_slots: torch.Tensor | None = None
+    """[N] int64: every row's slot, -1 for rows without penalties (the GPU pass's columns)."""
+    row_factors: torch.Tensor | None = None
+    """[3, N] float32: every row's repetition (1: off), frequency and presence (0: off)."""
 
 
 @dataclass
@@ -156,10 +150,16 @@ class LogitsProcessors:
             out.bad_word_prefixes = _BadWordPrefixes(ints(prefix_rows), ints(prefix_slots),
                                                      ints(padded).view(len(padded), width), ints(prefix_last))
         if pen_rows:
+            count = len(reqs)
+            row_slots, row_rep, row_freq, row_pres = [-1] * count, [1.0] * count, [0.0] * count, [0.0] * count
+            for i, row in enumerate(pen_rows):
+                row_slots[row], row_rep[row], row_freq[row], row_pres[row] = (pen_slots[i], repetition[i],
+                                                                              frequency[i], presence[i])
+            factors = torch.tensor([row_rep, row_freq, row_pres], dtype=torch.float32)
             out.penalties = _Penalties(ints(pen_rows), ints(pen_slots), floats(presence), floats(frequency),
                                        floats(repetition), any(r != 1.0 for r in repetition),
                                        any(p or f for p, f in zip(presence, frequency)),
-                                       pen_rows == list(range(len(reqs))))
+                                       pen_rows == list(range(count)), ints(row_slots), to_device(factors))
         if state_rows:
             # One upload: rows, slots, offsets.
             rows, slots, offsets = ints(state_rows + state_slots + [s * vocab_size for s in state_slots]).view(3, -1)
@@ -192,12 +192,27 @@ class LogitsProcessors:
             x = self._apply_penalties(x, self.penalties)
         return x
 
+    @property
+    def only_penalties(self) -> bool:
+        """Whether the penalties are all this step changes (the GPU pass then also makes the
+        float32 copy: runner/sampling/logits_pass.py)."""
+        return (self.penalties is not None and self.allowed is None and self.banned is None and self.bias is None
+                and self.bad_word_prefixes is None)
+
+    def penalty_columns(self):
+        """The penalties as runner/sampling/logits_pass.py's PenaltyColumns (None: no penalties)."""
+        p = self.penalties
+        if p is None:
+            return None
+        rep, freq, pres = p.row_factors
+        return triton_module("sampling.logits_pass").PenaltyColumns(p.row_slots, rep, freq, pres,
+                                                                    self.states.output_counts, self.states.prompt_mask)
+
     def _apply_penalties(self, x: torch.Tensor, p: _Penalties) -> torch.Tensor:
-        kernel = (_penalty_kernel() if x.is_cuda and x.stride(1) == 1 and active_kernel_config().triton_sampling
-                  else None)
-        if kernel is not None:  # one pass over the logits (runner/sampling/penalty_kernel.py)
-            kernel.apply_penalties(x, p.rows, p.slots, self.states.output_counts, self.states.prompt_mask,
-                                   p.repetition, p.frequency, p.presence)
+        gpu = x.is_cuda and x.stride(1) == 1 and active_kernel_config().triton_sampling
+        kernel = triton_module("sampling.logits_pass") if gpu else None
+        if kernel is not None:  # one pass over the logits, in place (runner/sampling/logits_pass.py)
+            kernel.logits_pass(x, x, self.penalty_columns(), 0)
             return x
         return self._apply_penalties_torch(x, p)
 

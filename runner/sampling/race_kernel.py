@@ -5,7 +5,9 @@ Why: in torch the draw is a chain of full-batch kernels after the thresholds are
 by the temperature, mask below the threshold, draw Exp(1), clamp, log, subtract, argmax), each
 reading or writing [rows, vocab] floats: at batch 256 over Llama's 128256 tokens ~130 MB each.
 Here one program per row reads the row's logits once and keeps the argmax of
-x / T - log(q) over the tokens x >= threshold, q ~ Exp(1) from Philox (`tl.rand`) keyed by the
+x / T - log(q) over the tokens x >= threshold (drawing q only in blocks that keep a token), or
+reads only the row's list of its largest values where the GPU pass made one that holds every
+kept token (runner/sampling/logits_pass.py), q ~ Exp(1) from Philox (`tl.rand`) keyed by the
 row's seed and the token's index: the exponential race of runner/sampling/sampler.py `_race`
 (P(token i) = softmax(x / T)_i over the kept tokens), with q drawn here instead of by torch.
 
@@ -29,7 +31,8 @@ SEED_BOUND = 2 ** 31 - 1
 
 
 @triton.jit
-def _race_kernel(x_ptr, stride_x, temp_ptr, threshold_ptr, seed_ptr, out_ptr, V, BLOCK: tl.constexpr):
+def _race_kernel(x_ptr, stride_x, temp_ptr, threshold_ptr, seed_ptr, out_ptr, list_ptr, ids_ptr, stride_list,
+                 count_ptr, bound_ptr, V, CAP, BLOCK: tl.constexpr, LISTS: tl.constexpr, LIST_BLOCK: tl.constexpr):
     row = tl.program_id(0)
     base = x_ptr + row.to(tl.int64) * stride_x
     temp = tl.load(temp_ptr + row)
@@ -37,16 +40,34 @@ def _race_kernel(x_ptr, stride_x, temp_ptr, threshold_ptr, seed_ptr, out_ptr, V,
     seed = tl.load(seed_ptr + row)
     best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     best_idx = tl.full([BLOCK], 2147483647, dtype=tl.int32)
-    for off in range(0, V, BLOCK):
+    n = V   # tokens of the row to race over (none where its list serves)
+    if LISTS:
+        count = tl.load(count_ptr + row)
+        if (count <= CAP) & (threshold >= tl.load(bound_ptr + row)):   # every kept token is listed
+            n = 0
+            at = tl.arange(0, LIST_BLOCK)
+            listed = row.to(tl.int64) * stride_list + at
+            x = tl.load(list_ptr + listed, mask=at < count, other=float("-inf"))
+            tokens = tl.load(ids_ptr + listed, mask=at < count, other=2147483647)
+            kept = (at < count) & (x >= threshold)
+            score = tl.where(kept, x / temp - tl.log(-tl.log(tl.rand(seed, tokens))), float("-inf"))
+            top = tl.max(score, axis=0)
+            best = tl.where(tl.arange(0, BLOCK) == 0, top, best)
+            best_idx = tl.where(tl.arange(0, BLOCK) == 0,
+                                tl.min(tl.where(score == top, tokens, 2147483647), axis=0), best_idx)
+    for off in range(0, n, BLOCK):
         idx = off + tl.arange(0, BLOCK)
         ok = idx < V
         x = tl.load(base + idx, mask=ok, other=float("-inf")).to(tl.float32)
-        u = tl.rand(seed, idx)                       # [0, 1): q = -log(u) ~ Exp(1); u = 0 never wins
-        score = x / temp - tl.log(-tl.log(u))
-        score = tl.where(ok & (x >= threshold), score, float("-inf"))
-        take = score > best
-        best = tl.where(take, score, best)
-        best_idx = tl.where(take, idx, best_idx)
+        kept = ok & (x >= threshold)
+        # The draws (Philox and two logs per token) only for a block that keeps a token: under
+        # top-k most blocks keep none, and the pass is then a read of the row.
+        if tl.max(kept.to(tl.int32), axis=0) > 0:
+            u = tl.rand(seed, idx)                       # [0, 1): q = -log(u) ~ Exp(1); u = 0 never wins
+            score = tl.where(kept, x / temp - tl.log(-tl.log(u)), float("-inf"))
+            take = score > best
+            best = tl.where(take, score, best)
+            best_idx = tl.where(take, idx, best_idx)
     top = tl.max(best, axis=0)
     first = tl.min(tl.where(best == top, best_idx, 2147483647), axis=0)
     tl.store(out_ptr + row, tl.where(first == 2147483647, 0, first).to(tl.int64))
@@ -65,16 +86,24 @@ def row_seeds(rows: int, generators: dict[int, torch.Generator], device: torch.d
 
 
 def race(logits: torch.Tensor, temperature: torch.Tensor, threshold: torch.Tensor | None,
-         seeds: torch.Tensor) -> torch.Tensor:
+         seeds: torch.Tensor, candidates=None) -> torch.Tensor:
     """int64 [N]: per row, a token drawn from softmax(logits / temperature) restricted to
     logits >= threshold (None: no filter). logits [N, V] (any float dtype, contiguous rows),
-    temperature float32 [N] or [N, 1] (> 0), threshold float32 [N, 1] or None, seeds int64 [N]."""
+    temperature float32 [N] or [N, 1] (> 0), threshold float32 [N, 1] or None, seeds int64 [N].
+    `candidates` (runner/sampling/logits_pass.py `Candidates` of these logits): a row whose list
+    holds every token it keeps races over the list alone, with the same draws (q is keyed by the
+    token), so with the same result."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
     if threshold is None:
         threshold = torch.full((rows,), float("-inf"), dtype=torch.float32, device=logits.device)
+    c = candidates
+    cap = 1 if c is None else c.listed.shape[1]
     _launch((rows,), logits, logits.stride(0), temperature.reshape(-1).float(), threshold.reshape(-1).float(),
-            seeds, out, vocab, BLOCK, device_index=logits.device.index or 0, num_warps=8)
+            seeds, out, out if c is None else c.listed, out if c is None else c.listed_ids,
+            0 if c is None else c.listed.stride(0), out if c is None else c.count, out if c is None else c.bound,
+            vocab, cap, BLOCK, c is not None, triton.next_power_of_2(cap), device_index=logits.device.index or 0,
+            num_warps=8)
     return out

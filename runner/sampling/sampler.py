@@ -8,7 +8,6 @@ The sampler never reads a device value back to the host, so it adds no sync.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -16,17 +15,8 @@ import torch
 
 from configs.kernel_config import active_kernel_config
 from configs.sampling_params import SamplingParams
+from runner.sampling.kernels import triton_module
 from runner.sampling.processors import LogitsProcessors
-
-
-@functools.cache
-def _greedy_kernels():
-    """runner/greedy.py (Triton), or None where Triton is not installed (it is optional)."""
-    try:
-        from runner import greedy
-    except ImportError:
-        return None
-    return greedy
 
 
 def _triton_sampling(logits: torch.Tensor) -> bool:
@@ -34,32 +24,12 @@ def _triton_sampling(logits: torch.Tensor) -> bool:
     return logits.is_cuda and logits.stride(1) == 1 and active_kernel_config().triton_sampling
 
 
-@functools.cache
-def _threshold_kernel():
-    """runner/sampling/threshold_kernel.py (Triton), or None where Triton is not installed."""
-    try:
-        from runner.sampling import threshold_kernel
-    except ImportError:
-        return None
-    return threshold_kernel
-
-
-@functools.cache
-def _race_kernel():
-    """runner/sampling/race_kernel.py (Triton), or None where Triton is not installed."""
-    try:
-        from runner.sampling import race_kernel
-    except ImportError:
-        return None
-    return race_kernel
-
-
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """`logits.argmax(dim=-1)` of 2-D logits; on a GPU by runner/greedy.py's two short launches
     (torch's one-block reduction is slow for one row of a large vocabulary: see that module). On a
     CPU by `max(dim=-1).indices`: the same index (the first maximum; NaN wins as in argmax), and
     faster than argmax there for a decode batch's logits."""
-    kernels = _greedy_kernels() if logits.is_cuda else None
+    kernels = triton_module("greedy") if logits.is_cuda else None
     if kernels is not None:
         return kernels.argmax_rows(logits)
     return logits.max(dim=-1).indices if logits.device.type == "cpu" else logits.argmax(dim=-1)
@@ -189,6 +159,9 @@ class Sampler:
     """
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        passed = self._gpu_pass(logits, metadata)
+        if passed is not None:
+            return passed
         # float32 logits only where something writes into them or reads them at full precision
         # (the mask, the processors, logprobs); else the model's dtype is read as it is (a bf16
         # value is exact in float32, so every threshold and compare gives what a copy would).
@@ -204,14 +177,49 @@ class Sampler:
         if metadata.processors is not None:
             logits = metadata.processors.apply(logits, inplace=owned)
             owned = True
+        return self._draw(logits, raw, metadata, owned)
+
+    def _gpu_pass(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput | None:
+        """On a GPU with the Triton sampling kernels: the structured-output mask, the penalties
+        (where they are all the processors do), the float32 copy they need and the top-k
+        candidates of the thresholds in one pass over the logits (runner/sampling/logits_pass.py),
+        then the draw. None where the pass does not apply: other processors this step, a mask that
+        does not cover the logits or with logprobs, no Triton, or nothing for it to do."""
+        kernel = triton_module("sampling.logits_pass") if _triton_sampling(logits) else None
+        processors, bitmask = metadata.processors, metadata.token_bitmask
+        if (kernel is None or (processors is not None and not processors.only_penalties)
+                or (bitmask is not None and (bitmask.constrained is None or logits.shape[1] > bitmask.vocab_size
+                                             or metadata.max_num_logprobs is not None))):
+            return None   # (logprobs under a mask are those of the masked logits: the torch path's order)
+        vocab = logits.shape[1]
+        k = 0 if metadata.all_greedy else self._top_count(metadata, vocab)
+        columns = min(k + 1, vocab) if 0 < k < vocab else 0
+        if columns > kernel.MAX_CANDIDATES:
+            columns = 0   # torch.topk
+        penalties = None if processors is None else processors.penalty_columns()
+        if penalties is None and bitmask is None and not columns:
+            return None
+        out = None
+        if penalties is not None or bitmask is not None:
+            out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        mask = None if bitmask is None else (bitmask.bitmask, bitmask.constrained)
+        candidates = kernel.logits_pass(logits, out, penalties, columns, mask)
+        raw = logits.float() if metadata.max_num_logprobs is not None else logits
+        return self._draw(logits if out is None else out, raw, metadata, owned=out is not None, candidates=candidates)
+
+    def _draw(self, logits: torch.Tensor, raw: torch.Tensor, metadata: SamplingMetadata, owned: bool,
+              candidates=None) -> SamplerOutput:
+        """The tokens of the processed `logits` (greedy argmax, the filtered random draw) and the
+        logprobs of `raw`; `candidates`: the thresholds' candidates, if the GPU pass made them."""
         greedy_ids = None if metadata.all_random else argmax_rows(logits)
         if metadata.all_greedy:
             sampled = greedy_ids
         else:
-            kernel = _race_kernel() if _triton_sampling(logits) else None
+            kernel = triton_module("sampling.race_kernel") if _triton_sampling(logits) else None
             if kernel is not None:  # one pass over the logits (runner/sampling/race_kernel.py)
-                sampled = kernel.race(logits, metadata.scale, self.threshold(logits, metadata),
-                                      kernel.row_seeds(logits.shape[0], metadata.generators, logits.device))
+                sampled = kernel.race(logits, metadata.scale, self.threshold(logits, metadata, candidates),
+                                      kernel.row_seeds(logits.shape[0], metadata.generators, logits.device),
+                                      candidates)
             else:
                 sampled = self._race(self.masked_logits(logits, metadata, inplace=owned), metadata.generators)
             if greedy_ids is not None:
@@ -232,8 +240,10 @@ class Sampler:
             x = x.masked_fill_(drop, float("-inf"))
         return x
 
-    def threshold(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor | None:
+    def threshold(self, logits: torch.Tensor, metadata: SamplingMetadata, candidates=None) -> torch.Tensor | None:
         """[N, 1] float32: the smallest logit min-p, top-k and top-p keep in each row (None: no filter).
+        `candidates`: the rows' largest values from the GPU pass (runner/sampling/logits_pass.py
+        `Candidates`), in place of `_candidates(logits, metadata, extra=1)` (torch.topk).
 
         On the logits before temperature (dividing by a positive temperature keeps their order),
         so no scaled copy of the batch is needed: min-p from the row's maximum, top-k and top-p
@@ -244,8 +254,12 @@ class Sampler:
         """
         if metadata.no_min_p and metadata.no_top_k and metadata.no_top_p:
             return None
-        kernel = _threshold_kernel() if _triton_sampling(logits) else None
+        kernel = triton_module("sampling.threshold_kernel") if _triton_sampling(logits) else None
         if kernel is not None:
+            if candidates is not None:
+                return kernel.thresholds(candidates.values, self._top_count(metadata, logits.shape[-1]), logits,
+                                         metadata.scale, metadata.min_p_offset, metadata.top_k, metadata.top_p,
+                                         candidates.lengths)
             values, k = self._candidates(logits, metadata, extra=1)
             return kernel.thresholds(values, k, logits, metadata.scale, metadata.min_p_offset, metadata.top_k,
                                      metadata.top_p)
@@ -260,15 +274,24 @@ class Sampler:
         return threshold
 
     @staticmethod
+    def _top_count(metadata: SamplingMetadata, vocab: int) -> int:
+        """How many of each row's largest values the top-k / top-p thresholds need: the largest
+        top_k, the whole vocabulary (a full sort) when a row asks for top-p without top-k, 0 when
+        no row asks for either."""
+        if metadata.no_top_k and metadata.no_top_p:
+            return 0
+        return metadata.candidates if 0 < metadata.candidates < vocab else vocab
+
+    @staticmethod
     def _candidates(x: torch.Tensor, metadata: SamplingMetadata, extra: int = 0) -> tuple[torch.Tensor, int]:
         """(values, k): each row's largest values, sorted, largest first: the `k` that the
         thresholds need (the largest top_k, or the whole vocabulary when a row asks for top-p
         without top-k) and `extra` more where the vocabulary has them; just the maximum (k = 1)
         for min-p alone. In the logits' dtype."""
         vocab = x.shape[-1]
-        if metadata.no_top_k and metadata.no_top_p:
+        k = Sampler._top_count(metadata, vocab)
+        if k == 0:
             return x.amax(dim=-1, keepdim=True), 1
-        k = metadata.candidates if 0 < metadata.candidates < vocab else vocab
         if k == vocab:
             return x.sort(dim=-1, descending=True).values, vocab
         return x.topk(min(k + extra, vocab), dim=-1).values, k

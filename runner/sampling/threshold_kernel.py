@@ -48,8 +48,11 @@ def _candidate_weights(values, off, K, k_threshold, min_p_threshold, v0, scale, 
 
 @triton.jit
 def _threshold_kernel(values_ptr, stride_v, x_ptr, stride_x, scale_ptr, offset_ptr, top_k_ptr, top_p_ptr, out_ptr,
-                      V, C, K, BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr):
+                      lengths_ptr, V, C, K, BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr, PER_ROW: tl.constexpr):
     row = tl.program_id(0)
+    if PER_ROW:   # each row's own K and C (runner/sampling/logits_pass.py)
+        K = tl.load(lengths_ptr + row * 2)
+        C = tl.load(lengths_ptr + row * 2 + 1)
     values = values_ptr + row.to(tl.int64) * stride_v
     scale = tl.load(scale_ptr + row)
     offset = tl.load(offset_ptr + row)
@@ -102,7 +105,7 @@ _launch = FastLaunch(_threshold_kernel)
 
 
 def thresholds(values: torch.Tensor, k: int, logits: torch.Tensor, scale: torch.Tensor, min_p_offset: torch.Tensor,
-               top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+               top_k: torch.Tensor, top_p: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """float32 [N, 1]: the smallest logit min-p, top-k and top-p keep in each row (-inf: all).
 
     values [N, C]: each row's largest logits, sorted, largest first (any float dtype): the `k`
@@ -115,8 +118,8 @@ def thresholds(values: torch.Tensor, k: int, logits: torch.Tensor, scale: torch.
     out = torch.empty(rows, 1, dtype=torch.float32, device=values.device)
     if rows == 0:
         return out
-    block = min(triton.next_power_of_2(k), MAX_CANDIDATE_BLOCK)
+    block = min(triton.next_power_of_2(columns if lengths is not None else k), MAX_CANDIDATE_BLOCK)
     _launch((rows,), values, values.stride(0), logits, logits.stride(0), scale, min_p_offset, top_k, top_p, out,
-            logits.shape[1], columns, k, block, ROW_BLOCK, device_index=values.device.index or 0, num_warps=4,
-            num_stages=1)
+            out if lengths is None else lengths, logits.shape[1], columns, k, block, ROW_BLOCK, lengths is not None,
+            device_index=values.device.index or 0, num_warps=4, num_stages=1)
     return out
