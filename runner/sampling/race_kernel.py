@@ -7,8 +7,8 @@ reading or writing [rows, vocab] floats: at batch 256 over Llama's 128256 tokens
 Here one program per row reads the row's logits once and keeps the argmax of
 x / T - log(q) over the tokens x >= threshold (drawing q only in blocks that keep a token), or
 reads only the row's list of its largest values where the GPU pass made one that holds every
-kept token (runner/sampling/logits_pass.py), q ~ Exp(1) from Philox (`tl.rand`) keyed by the
-row's seed and the token's index: the exponential race of runner/sampling/sampler.py `_race`
+kept token (runner/sampling/logits_pass.py), q ~ Exp(1) from Philox keyed by the row's seed
+and the token's index (`_uniform`: one Philox evaluation gives four neighbouring tokens theirs): the exponential race of runner/sampling/sampler.py `_race`
 (P(token i) = softmax(x / T)_i over the kept tokens), with q drawn here instead of by torch.
 
 Seeds: one int per row per step, from the default CUDA generator, and for a row with a seeded
@@ -31,6 +31,23 @@ SEED_BOUND = 2 ** 31 - 1
 
 
 @triton.jit
+def _uniform(seed, tokens):
+    """U[0, 1) for each token: component t % 4 of Philox's four outputs for counter t // 4 (one
+    Philox evaluation serves four neighbouring tokens), in the order `_uniform_block` lays out."""
+    u0, u1, u2, u3 = tl.rand4x(seed, tokens // 4)
+    c = tokens % 4
+    return tl.where(c == 0, u0, tl.where(c == 1, u2, tl.where(c == 2, u1, u3)))
+
+
+@triton.jit
+def _uniform_block(seed, off, QUARTER: tl.constexpr):
+    """U[0, 1) for tokens off .. off + 4 * QUARTER - 1 as a [QUARTER, 4] tile (row i: tokens
+    off + 4i .. off + 4i + 3), equal to `_uniform` of each token (off a multiple of 4)."""
+    u0, u1, u2, u3 = tl.rand4x(seed, off // 4 + tl.arange(0, QUARTER))
+    return tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), [QUARTER, 4])
+
+
+@triton.jit
 def _race_kernel(x_ptr, stride_x, temp_ptr, threshold_ptr, seed_ptr, out_ptr, list_ptr, ids_ptr, stride_list,
                  count_ptr, bound_ptr, V, CAP, BLOCK: tl.constexpr, LISTS: tl.constexpr, LIST_BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -38,8 +55,10 @@ def _race_kernel(x_ptr, stride_x, temp_ptr, threshold_ptr, seed_ptr, out_ptr, li
     temp = tl.load(temp_ptr + row)
     threshold = tl.load(threshold_ptr + row)
     seed = tl.load(seed_ptr + row)
-    best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-    best_idx = tl.full([BLOCK], 2147483647, dtype=tl.int32)
+    QUARTER: tl.constexpr = BLOCK // 4
+    tile = 4 * tl.arange(0, QUARTER)[:, None] + tl.arange(0, 4)[None, :]   # [QUARTER, 4]: the block's tokens
+    best = tl.full([QUARTER, 4], float("-inf"), dtype=tl.float32)
+    best_idx = tl.full([QUARTER, 4], 2147483647, dtype=tl.int32)
     n = V   # tokens of the row to race over (none where its list serves)
     if LISTS:
         count = tl.load(count_ptr + row)
@@ -50,24 +69,26 @@ def _race_kernel(x_ptr, stride_x, temp_ptr, threshold_ptr, seed_ptr, out_ptr, li
             x = tl.load(list_ptr + listed, mask=at < count, other=float("-inf"))
             tokens = tl.load(ids_ptr + listed, mask=at < count, other=2147483647)
             kept = (at < count) & (x >= threshold)
-            score = tl.where(kept, x / temp - tl.log(-tl.log(tl.rand(seed, tokens))), float("-inf"))
+            score = tl.where(kept, x / temp - tl.log(-tl.log(_uniform(seed, tokens))), float("-inf"))
             top = tl.max(score, axis=0)
-            best = tl.where(tl.arange(0, BLOCK) == 0, top, best)
-            best_idx = tl.where(tl.arange(0, BLOCK) == 0,
-                                tl.min(tl.where(score == top, tokens, 2147483647), axis=0), best_idx)
+            first = tile == 0
+            best = tl.where(first, top, best)
+            best_idx = tl.where(first, tl.min(tl.where(score == top, tokens, 2147483647), axis=0), best_idx)
     for off in range(0, n, BLOCK):
-        idx = off + tl.arange(0, BLOCK)
+        idx = off + tile
         ok = idx < V
         x = tl.load(base + idx, mask=ok, other=float("-inf")).to(tl.float32)
         kept = ok & (x >= threshold)
         # The draws (Philox and two logs per token) only for a block that keeps a token: under
         # top-k most blocks keep none, and the pass is then a read of the row.
-        if tl.max(kept.to(tl.int32), axis=0) > 0:
-            u = tl.rand(seed, idx)                       # [0, 1): q = -log(u) ~ Exp(1); u = 0 never wins
+        if tl.max(tl.max(kept.to(tl.int32), axis=1), axis=0) > 0:
+            u = _uniform_block(seed, off, QUARTER)   # [0, 1): q = -log(u) ~ Exp(1); u = 0 never wins
             score = tl.where(kept, x / temp - tl.log(-tl.log(u)), float("-inf"))
             take = score > best
             best = tl.where(take, score, best)
             best_idx = tl.where(take, idx, best_idx)
+    best = tl.reshape(best, [BLOCK])
+    best_idx = tl.reshape(best_idx, [BLOCK])
     top = tl.max(best, axis=0)
     first = tl.min(tl.where(best == top, best_idx, 2147483647), axis=0)
     tl.store(out_ptr + row, tl.where(first == 2147483647, 0, first).to(tl.int64))
