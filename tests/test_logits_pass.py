@@ -164,11 +164,17 @@ def _check_race(device: str, vocab: int):
     threshold = found.values[:, k - 1:k].clone()
     threshold[1] = float("-inf")
     temperature = torch.full((rows,), 0.7, device=device)
+    counts = torch.zeros(3, vocab, dtype=torch.int32, device=device)
+    slots = torch.tensor([2, -1, 0, -1, -1, 1, -1, -1], device=device)
     for trial in range(3):
-        seeds = torch.randint(0, 2 ** 31 - 1, (rows,), generator=gen).to(device)
+        seeds = torch.randint(0, 2 ** 31 - 1, (rows,), generator=gen).to(device) if trial else 12345
         want = race(x, temperature, threshold, seeds)
-        assert torch.equal(race(x, temperature, threshold, seeds, found), want)
+        assert torch.equal(race(x, temperature, threshold, seeds, found, record=(slots, counts)), want)
         assert bool((x.gather(1, want.unsqueeze(1)) >= threshold).all())
+        for row, slot in enumerate(slots.tolist()):   # the drawn tokens were counted into the rows' slots
+            if slot >= 0:
+                assert int(counts[slot, want[row]]) >= 1
+    assert int(counts.sum()) == 3 * 3
 
 
 @pytest.mark.skipif(not INTERPRET, reason="Triton on a CPU needs TRITON_INTERPRET=1")
@@ -232,3 +238,18 @@ def test_logits_pass_on_the_gpu(kernel_switches):
     assert (got == want).float().mean() > 0.95, (got, want)   # top-p sums in another order: rare one-tie shifts
     tokens = sampler(logits, metadata).sampled_token_ids.cpu()
     assert all(processed[row, token] >= want[row] for row, token in enumerate(tokens.tolist()))
+    # Through the stage: the draw counts its tokens into the penalty state itself.
+    from runner.sampling import SamplingStage
+    params = SamplingParams(temperature=0.8, top_k=50, frequency_penalty=0.5)
+    reqs = _requests([params] * 4, 128256, torch.Generator().manual_seed(5))
+    stage = SamplingStage(128256, torch.device("cuda"))
+    drawn = []
+    for step in range(3):
+        for req in reqs:
+            req.output_token_count = step
+        out = stage.launch(reqs, lambda: logits[:4], lambda: None).resolve()
+        drawn.append([out.sampled[req.request_id] for req in reqs])
+    counts = stage.states.output_counts
+    for i, req in enumerate(reqs):
+        row = counts[stage.states.slots[req.request_id]].cpu()
+        assert int(row.sum()) == 3 and all(int(row[token]) >= 1 for token in (d[i] for d in drawn))

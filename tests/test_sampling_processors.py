@@ -160,12 +160,12 @@ def test_fast_greedy_path_only_for_plain_greedy_steps():
     out, used = _launch(stage, [_req("a", greedy), _req("b", greedy)], logits, wrong)
     assert used and list(out.sampled.values()) == [1, 1]
     stop = int(logits[0].argmax())
-    reqs = [_req("a", SamplingParams(temperature=0.0, min_tokens=2), stop_ids={stop}), _req("b", greedy)]
+    reqs = [_req("c", SamplingParams(temperature=0.0, min_tokens=2), stop_ids={stop}), _req("d", greedy)]
     out, used = _launch(stage, reqs, logits, wrong)
     assert not used
-    assert out.sampled["a"] != stop and out.sampled["a"] == int(logits[0].clone().index_fill_(0, torch.tensor(
+    assert out.sampled["c"] != stop and out.sampled["c"] == int(logits[0].clone().index_fill_(0, torch.tensor(
         [stop]), float("-inf")).argmax())
-    assert out.sampled["b"] == int(logits[1].argmax())
+    assert out.sampled["d"] == int(logits[1].argmax())
 
 
 def test_stage_counts_each_sampled_token_once_and_keeps_state_until_release():

@@ -70,9 +70,11 @@ def _kernel_thresholds(logits: torch.Tensor, metadata: SamplingMetadata, via_pas
     from runner.sampling.threshold_kernel import thresholds
     if via_pass:
         k = Sampler._top_count(metadata, logits.shape[-1])
-        found = logits_pass(logits, None, None, k + 1)
-        return thresholds(found.values, k, logits, metadata.scale, metadata.min_p_offset, metadata.top_k,
-                          metadata.top_p, found.lengths)
+        settings = (metadata.scale, metadata.min_p_offset, metadata.top_k, metadata.top_p)
+        found = logits_pass(logits, None, None, k + 1, settings=settings)
+        got = thresholds(found.values, k, logits, *settings, found.lengths)
+        assert torch.equal(found.threshold, got)   # the sort's launch computes the same thresholds
+        return got
     values, k = Sampler._candidates(logits, metadata, extra=1)
     return thresholds(values, k, logits, metadata.scale, metadata.min_p_offset, metadata.top_k, metadata.top_p)
 

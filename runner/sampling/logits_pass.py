@@ -22,7 +22,8 @@ thresholds need only each row's few largest values. Here:
 4. `_sort_kernel`, one program per row: sorts the list, largest first. A row whose list overflowed
    (more than CAP values >= m: ties or a few blocks holding all the large values) takes the exact
    way instead: its (k+1)-th largest value t by bisection over the row, then the values above t
-   and copies of t up to k+1, sorted.
+   and copies of t up to k+1, sorted. Given the rows' settings, the same program then computes
+   the row's threshold (threshold_kernel.row_threshold) from what it sorted: no launch of its own.
 The thresholds (runner/sampling/threshold_kernel.py) then read, per row, its sorted list with its
 length K (every value >= m: ties with the k-th value are all there), or for an overflowed row its
 k largest values plus the next, whose ties past them it counts over the row as it does after
@@ -46,6 +47,7 @@ import triton
 import triton.language as tl
 
 from launch.fast_launch import FastLaunch
+from runner.sampling.threshold_kernel import row_threshold
 
 BLOCK = 2048
 """Tokens per program of the passes over the rows."""
@@ -79,6 +81,9 @@ class Candidates:
     listed_ids: torch.Tensor  # [N, CAP] int32
     count: torch.Tensor     # [N] int32
     bound: torch.Tensor     # [N] float32
+    threshold: torch.Tensor | None = None
+    """[N, 1] float32: each row's min-p / top-k / top-p threshold, where `logits_pass` was given
+    the rows' settings (runner/sampling/threshold_kernel.py's rules, in the sort's launch)."""
 
 
 @triton.jit
@@ -171,18 +176,21 @@ def _compact_kernel(x_ptr, stride_x, max_ptr, stride_max, bound_ptr, counter_ptr
 
 @triton.jit
 def _sort_kernel(list_ptr, stride_list, counter_ptr, x_ptr, stride_x, values_ptr, stride_values, lengths_ptr, V, k1,
-                 CAP: tl.constexpr, BLOCK: tl.constexpr):
+                 scale_ptr, offset_ptr, top_k_ptr, top_p_ptr, threshold_ptr, CAP: tl.constexpr, BLOCK: tl.constexpr,
+                 THRESHOLDS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     idx = tl.arange(0, CAP)
     count = tl.load(counter_ptr + row)
     out = values_ptr + row * stride_values
+    base = x_ptr + row * stride_x
+    K = count
+    C = count
     if count <= CAP:   # every value >= the bound: sorted, they are the candidates (ties included)
         v = tl.load(list_ptr + row * stride_list + idx, mask=idx < count, other=float("-inf"))
         tl.store(out + idx, tl.sort(v, descending=True))
-        tl.store(lengths_ptr + row * 2, count)
-        tl.store(lengths_ptr + row * 2 + 1, count)
     else:   # overflow: the exact k+1 largest, from the row itself
-        base = x_ptr + row * stride_x
+        K = k1 - 1
+        C = k1
         lo = tl.full([], 2147483647, tl.int64)
         hi = tl.full([], -2147483648, tl.int64)
         for off in range(0, V, BLOCK):
@@ -218,8 +226,13 @@ def _sort_kernel(list_ptr, stride_list, counter_ptr, x_ptr, stride_x, values_ptr
         v = tl.load(out + idx)
         tl.debug_barrier()
         tl.store(out + idx, tl.sort(v, descending=True))
-        tl.store(lengths_ptr + row * 2, k1 - 1)
-        tl.store(lengths_ptr + row * 2 + 1, k1)
+    tl.store(lengths_ptr + row * 2, K)
+    tl.store(lengths_ptr + row * 2 + 1, C)
+    if THRESHOLDS:   # the row's min-p / top-k / top-p threshold from the sorted list, in the same launch
+        tl.debug_barrier()
+        threshold = row_threshold(out, K, C, base, V, tl.load(scale_ptr + row), tl.load(offset_ptr + row),
+                                  tl.load(top_k_ptr + row), tl.load(top_p_ptr + row), CAP, BLOCK)
+        tl.store(threshold_ptr + row, threshold)
 
 
 _launch_pass = FastLaunch(_pass_kernel)   # launched every step: no JITFunction.run per call
@@ -257,13 +270,16 @@ def _carve(rows: int, parts: dict, device: torch.device) -> tuple[dict, dict]:
 
 
 def logits_pass(logits: torch.Tensor, out: torch.Tensor | None, penalties: PenaltyColumns | None,
-                columns: int, mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> Candidates | None:
+                columns: int, mask: tuple[torch.Tensor, torch.Tensor] | None = None,
+                settings: tuple[torch.Tensor, ...] | None = None) -> Candidates | None:
     """The passes over `logits` [N, V] (any float dtype, contiguous rows): with `mask` (a
     structured-output bitmask, int32 [N, >= V / 32] in xgrammar's packing, and int32 [N], nonzero
     for the rows it constrains), the disallowed tokens of those rows to -inf first; with
     `penalties`, their penalties; with `out` (float32 [N, V], contiguous rows; may be `logits` itself), the resulting
     float32 logits written there; with `columns` = k + 1 > 1 (at most MAX_CANDIDATES and V), the
-    rows' candidates for top-k thresholds of k or less (else None)."""
+    rows' candidates for top-k thresholds of k or less (else None), and with `settings` (per
+    row, contiguous: scale, min_p_offset, top_k, top_p, as threshold_kernel.thresholds takes them)
+    their thresholds too (`Candidates.threshold`)."""
     rows, vocab = logits.shape
     assert columns <= MAX_CANDIDATES and columns <= vocab, (columns, vocab)
     assert out is not None or columns, "the pass would do nothing"
@@ -276,10 +292,10 @@ def logits_pass(logits: torch.Tensor, out: torch.Tensor | None, penalties: Penal
         floats, ints = _carve(rows, {"maxima": (torch.float32, num), "listed": (torch.float32, cap),
                                      "values": (torch.float32, cap), "bound": (torch.float32, 0),
                                      "lengths": (torch.int32, 2), "ids": (torch.int32, cap),
-                                     "count": (torch.int32, 0)}, device)
+                                     "count": (torch.int32, 0), "threshold": (torch.float32, 1)}, device)
         maxima = floats["maxima"]
         found = Candidates(floats["values"], ints["lengths"], floats["listed"], ints["ids"], ints["count"],
-                           floats["bound"])
+                           floats["bound"], floats["threshold"] if settings is not None else None)
     p = penalties
     dummy = maxima if maxima is not None else out   # a pointer for the arguments the constexprs switch off
     bitmask, constrained = mask if mask is not None else (dummy, dummy)
@@ -301,6 +317,9 @@ def logits_pass(logits: torch.Tensor, out: torch.Tensor | None, penalties: Penal
     _launch_compact((rows, blocks), x, x.stride(0), maxima, maxima.stride(0), bound, counter, listed,
                     found.listed_ids, listed.stride(0), vocab, cap, BLOCK, sub, device_index=index, num_warps=8,
                     num_stages=1)
+    scale, offset, top_k, top_p = settings if settings is not None else (bound,) * 4
     _launch_sort((rows,), listed, listed.stride(0), counter, x, x.stride(0), found.values, found.values.stride(0),
-                 found.lengths, vocab, columns, cap, BLOCK, device_index=index, num_warps=8, num_stages=1)
+                 found.lengths, vocab, columns, scale, offset, top_k, top_p,
+                 bound if found.threshold is None else found.threshold, cap, BLOCK, settings is not None,
+                 device_index=index, num_warps=8, num_stages=1)
     return found

@@ -11,8 +11,9 @@ kept token (runner/sampling/logits_pass.py), q ~ Exp(1) from Philox keyed by the
 and the token's index (`_uniform`: one Philox evaluation gives four neighbouring tokens theirs): the exponential race of runner/sampling/sampler.py `_race`
 (P(token i) = softmax(x / T)_i over the kept tokens), with q drawn here instead of by torch.
 
-Seeds: one int per row per step, from the default CUDA generator, and for a row with a seeded
-request from that request's own generator (`row_seeds`): a seeded request's tokens depend only
+Seeds: one int per step from the default CPU generator, row r drawing with it + r, or where some
+rows have a seeded request one int per row from the default CUDA generator and for those rows
+from the request's own generator (`row_seeds`): a seeded request's tokens depend only
 on its own generator and logits, as on the torch path (which draws different q, so the same
 seed gives other tokens on a GPU than on a CPU). tests/test_race_kernel.py checks the sampled
 frequencies against the softmax in Triton's interpreter and on a GPU.
@@ -47,14 +48,19 @@ def _uniform_block(seed, off, QUARTER: tl.constexpr):
     return tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), [QUARTER, 4])
 
 
-@triton.jit
-def _race_kernel(x_ptr, stride_x, temp_ptr, threshold_ptr, seed_ptr, out_ptr, list_ptr, ids_ptr, stride_list,
-                 count_ptr, bound_ptr, V, CAP, BLOCK: tl.constexpr, LISTS: tl.constexpr, LIST_BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["base_seed"])
+def _race_kernel(x_ptr, stride_x, temp_ptr, threshold_ptr, seed_ptr, base_seed, out_ptr, list_ptr, ids_ptr,
+                 stride_list, count_ptr, bound_ptr, slots_ptr, counts_ptr, stride_counts, V, CAP,
+                 BLOCK: tl.constexpr, LISTS: tl.constexpr, LIST_BLOCK: tl.constexpr, SEEDS: tl.constexpr,
+                 RECORD: tl.constexpr):
     row = tl.program_id(0)
     base = x_ptr + row.to(tl.int64) * stride_x
     temp = tl.load(temp_ptr + row)
     threshold = tl.load(threshold_ptr + row)
-    seed = tl.load(seed_ptr + row)
+    if SEEDS:   # a seed per row (rows of seeded requests from their own generators)
+        seed = tl.load(seed_ptr + row)
+    else:       # the step's seed, one per row from it
+        seed = base_seed + row
     QUARTER: tl.constexpr = BLOCK // 4
     tile = 4 * tl.arange(0, QUARTER)[:, None] + tl.arange(0, 4)[None, :]   # [QUARTER, 4]: the block's tokens
     best = tl.full([QUARTER, 4], float("-inf"), dtype=tl.float32)
@@ -91,15 +97,25 @@ def _race_kernel(x_ptr, stride_x, temp_ptr, threshold_ptr, seed_ptr, out_ptr, li
     best_idx = tl.reshape(best_idx, [BLOCK])
     top = tl.max(best, axis=0)
     first = tl.min(tl.where(best == top, best_idx, 2147483647), axis=0)
-    tl.store(out_ptr + row, tl.where(first == 2147483647, 0, first).to(tl.int64))
+    token = tl.where(first == 2147483647, 0, first)
+    tl.store(out_ptr + row, token.to(tl.int64))
+    if RECORD:   # the penalties' count of the drawn token (SamplingStates.record's job, without its launches)
+        slot = tl.load(slots_ptr + row)
+        if slot >= 0:
+            at = counts_ptr + slot * stride_counts + token
+            tl.store(at, tl.load(at) + 1)
 
 
 _launch = FastLaunch(_race_kernel)   # launched every step: no JITFunction.run per call
 
 
-def row_seeds(rows: int, generators: dict[int, torch.Generator], device: torch.device) -> torch.Tensor:
-    """int64 [rows] on `device`: a seed per row from the default generator, seeded rows' from their
-    own (each advances once per step; no host sync)."""
+def row_seeds(rows: int, generators: dict[int, torch.Generator], device: torch.device) -> torch.Tensor | int:
+    """The step's seeds: with seeded rows, int64 [rows] on `device`, a seed per row from the
+    default generator and seeded rows' from their own (each advances once per step; no host
+    sync); else one int from the default CPU generator, from which the kernel derives each row's
+    (seed + row: no launch)."""
+    if not generators:
+        return int(torch.randint(0, SEED_BOUND - (1 << 24), ()))
     seeds = torch.randint(0, SEED_BOUND, (rows,), device=device)
     for row, gen in generators.items():
         seeds[row] = torch.randint(0, SEED_BOUND, (1,), device=device, generator=gen)[0]
@@ -107,13 +123,16 @@ def row_seeds(rows: int, generators: dict[int, torch.Generator], device: torch.d
 
 
 def race(logits: torch.Tensor, temperature: torch.Tensor, threshold: torch.Tensor | None,
-         seeds: torch.Tensor, candidates=None) -> torch.Tensor:
+         seeds: torch.Tensor | int, candidates=None, record=None) -> torch.Tensor:
     """int64 [N]: per row, a token drawn from softmax(logits / temperature) restricted to
     logits >= threshold (None: no filter). logits [N, V] (any float dtype, contiguous rows),
-    temperature float32 [N] or [N, 1] (> 0), threshold float32 [N, 1] or None, seeds int64 [N].
+    temperature float32 [N] or [N, 1] (> 0), threshold float32 [N, 1] or None, seeds from
+    `row_seeds` (int64 [N], or one int: row r draws with seed + r).
     `candidates` (runner/sampling/logits_pass.py `Candidates` of these logits): a row whose list
     holds every token it keeps races over the list alone, with the same draws (q is keyed by the
-    token), so with the same result."""
+    token), so with the same result. `record` ((slots int64 [N], -1 for none; output_counts int32
+    [slots, V])): each row's drawn token is counted into `output_counts[slots[row]]` (a slot at
+    most once)."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
@@ -122,9 +141,12 @@ def race(logits: torch.Tensor, temperature: torch.Tensor, threshold: torch.Tenso
         threshold = torch.full((rows,), float("-inf"), dtype=torch.float32, device=logits.device)
     c = candidates
     cap = 1 if c is None else c.listed.shape[1]
+    seed_tensor = isinstance(seeds, torch.Tensor)
+    slots, counts = record if record is not None else (out, out)
     _launch((rows,), logits, logits.stride(0), temperature.reshape(-1).float(), threshold.reshape(-1).float(),
-            seeds, out, out if c is None else c.listed, out if c is None else c.listed_ids,
-            0 if c is None else c.listed.stride(0), out if c is None else c.count, out if c is None else c.bound,
-            vocab, cap, BLOCK, c is not None, triton.next_power_of_2(cap), device_index=logits.device.index or 0,
-            num_warps=8)
+            seeds if seed_tensor else out, 0 if seed_tensor else seeds, out, out if c is None else c.listed,
+            out if c is None else c.listed_ids, 0 if c is None else c.listed.stride(0),
+            out if c is None else c.count, out if c is None else c.bound, slots, counts,
+            0 if record is None else counts.stride(0), vocab, cap, BLOCK, c is not None, triton.next_power_of_2(cap),
+            seed_tensor, record is not None, device_index=logits.device.index or 0, num_warps=8)
     return out

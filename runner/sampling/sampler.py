@@ -143,6 +143,9 @@ class LogprobsTensors:
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [N] int64
     logprobs: LogprobsTensors | None
+    recorded: bool = False
+    """The draw already counted the tokens into the penalty state (`LogitsProcessors.record` is
+    then not needed)."""
 
 
 class Sampler:
@@ -203,15 +206,26 @@ class Sampler:
         if penalties is not None or bitmask is not None:
             out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
         mask = None if bitmask is None else (bitmask.bitmask, bitmask.constrained)
-        candidates = kernel.logits_pass(logits, out, penalties, columns, mask)
+        settings = None
+        if columns:   # the thresholds in the sort's launch
+            settings = (metadata.scale, metadata.min_p_offset, metadata.top_k, metadata.top_p)
+        candidates = kernel.logits_pass(logits, out, penalties, columns, mask, settings)
         raw = logits.float() if metadata.max_num_logprobs is not None else logits
-        return self._draw(logits if out is None else out, raw, metadata, owned=out is not None, candidates=candidates)
+        # The race counts its tokens into the penalty state where every row races (no greedy row
+        # takes its argmax after it) and no multi-token bad word keeps a window of recent tokens.
+        record = None
+        if penalties is not None and metadata.all_random and processors.states.recent.shape[1] == 0:
+            record = (penalties.slots, penalties.output_counts)
+        return self._draw(logits if out is None else out, raw, metadata, owned=out is not None, candidates=candidates,
+                          record=record)
 
     def _draw(self, logits: torch.Tensor, raw: torch.Tensor, metadata: SamplingMetadata, owned: bool,
-              candidates=None) -> SamplerOutput:
+              candidates=None, record=None) -> SamplerOutput:
         """The tokens of the processed `logits` (greedy argmax, the filtered random draw) and the
-        logprobs of `raw`; `candidates`: the thresholds' candidates, if the GPU pass made them."""
+        logprobs of `raw`; `candidates`: the thresholds' candidates, if the GPU pass made them;
+        `record`: the penalty state the GPU draw counts its tokens into (runner/sampling/race_kernel.py)."""
         greedy_ids = None if metadata.all_random else argmax_rows(logits)
+        recorded = False
         if metadata.all_greedy:
             sampled = greedy_ids
         else:
@@ -219,7 +233,8 @@ class Sampler:
             if kernel is not None:  # one pass over the logits (runner/sampling/race_kernel.py)
                 sampled = kernel.race(logits, metadata.scale, self.threshold(logits, metadata, candidates),
                                       kernel.row_seeds(logits.shape[0], metadata.generators, logits.device),
-                                      candidates)
+                                      candidates, record)
+                recorded = record is not None
             else:
                 sampled = self._race(self.masked_logits(logits, metadata, inplace=owned), metadata.generators)
             if greedy_ids is not None:
@@ -227,7 +242,7 @@ class Sampler:
         logprobs = None
         if metadata.max_num_logprobs is not None:
             logprobs = self._logprobs(raw, sampled, metadata.max_num_logprobs)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs, recorded=recorded)
 
     def masked_logits(self, logits: torch.Tensor, metadata: SamplingMetadata, inplace: bool = False) -> torch.Tensor:
         """Temperature-scaled float32 logits with every filtered-out token set to -inf (a new
@@ -256,6 +271,8 @@ class Sampler:
             return None
         kernel = triton_module("sampling.threshold_kernel") if _triton_sampling(logits) else None
         if kernel is not None:
+            if candidates is not None and candidates.threshold is not None:
+                return candidates.threshold
             if candidates is not None:
                 return kernel.thresholds(candidates.values, self._top_count(metadata, logits.shape[-1]), logits,
                                          metadata.scale, metadata.min_p_offset, metadata.top_k, metadata.top_p,

@@ -10,6 +10,7 @@ logprobs or a logit processor).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,11 +24,17 @@ from runner.sampling.state import SamplingStates
 from runner.scheduler import ScheduledRequest
 
 
+_REQUEST_ID = operator.attrgetter("request_id")
+
+
 @dataclass
 class _Plan:
     """What a step's sampling needs from its requests' settings (device tensors included), kept
     for the next step with the same rows (`SamplingStage._plan`)."""
-    key: tuple
+    inside_min_tokens: tuple[int, ...]
+    """The rows whose request is still inside its min_tokens (their stop tokens are banned)."""
+    min_token_rows: list[int]
+    """The rows whose request has min_tokens at all: the only ones that can be inside them."""
     processors: LogitsProcessors | None
     metadata: SamplingMetadata | None
     """None: a plain greedy step (no processors, no logprobs)."""
@@ -87,29 +94,33 @@ class SamplingStage:
             result = self.sampler(logits(), metadata)
             metadata.token_bitmask = None
             sampled, logprobs = result.sampled_token_ids, result.logprobs
-            if processors is not None:
+            if processors is not None and not result.recorded:
                 processors.record(sampled)
         return self._pending(reqs, sampled, logprobs, prompt_logprobs, plan)
 
     def _plan(self, reqs: list[ScheduledRequest]) -> _Plan:
         """The step's processors and metadata: the last step's while its rows are the same requests
         in the same order with the same rows inside min_tokens (what decode steps mostly are),
-        else built (a loop over the rows and a few small uploads)."""
-        key = (tuple(req.request_id for req in reqs),
-               tuple(row for row, req in enumerate(reqs) if req.output_token_count < req.sampling_params.min_tokens))
+        else built (a loop over the rows and a few small uploads). The check is a C-level list
+        compare of the ids, and a look at the rows that have min_tokens at all."""
+        request_ids = list(map(_REQUEST_ID, reqs))
         plan = self._last_plan
-        if plan is not None and plan.key == key:
-            return plan
+        if plan is not None and plan.request_ids == request_ids:
+            inside = tuple(row for row in plan.min_token_rows
+                           if reqs[row].output_token_count < reqs[row].sampling_params.min_tokens)
+            if inside == plan.inside_min_tokens:
+                return plan
         params = [req.sampling_params for req in reqs]
+        min_token_rows = [row for row, p in enumerate(params) if p.min_tokens > 0]
+        inside = tuple(row for row in min_token_rows if reqs[row].output_token_count < params[row].min_tokens)
         processors = LogitsProcessors.build(reqs, self.states, self.vocab_size, self.to_device)
         metadata = None
         if processors is not None or not all(p.temperature == 0.0 and p.logprobs is None for p in params):
             generators = {row: self.states.generator(req) for row, req in enumerate(reqs)
                           if req.sampling_params.seed is not None}
             metadata = SamplingMetadata.from_params(params, generators, self.device, processors, self.to_device)
-        request_ids = list(key[0])
         num_logprobs = [p.logprobs for p in params]
-        self._last_plan = plan = _Plan(key, processors, metadata, request_ids,
+        self._last_plan = plan = _Plan(inside, min_token_rows, processors, metadata, request_ids,
                                        num_logprobs if any(k is not None for k in num_logprobs) else None)
         return plan
 

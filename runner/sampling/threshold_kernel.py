@@ -47,17 +47,11 @@ def _candidate_weights(values, off, K, k_threshold, min_p_threshold, v0, scale, 
 
 
 @triton.jit
-def _threshold_kernel(values_ptr, stride_v, x_ptr, stride_x, scale_ptr, offset_ptr, top_k_ptr, top_p_ptr, out_ptr,
-                      lengths_ptr, V, C, K, BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr, PER_ROW: tl.constexpr):
-    row = tl.program_id(0)
-    if PER_ROW:   # each row's own K and C (runner/sampling/logits_pass.py)
-        K = tl.load(lengths_ptr + row * 2)
-        C = tl.load(lengths_ptr + row * 2 + 1)
-    values = values_ptr + row.to(tl.int64) * stride_v
-    scale = tl.load(scale_ptr + row)
-    offset = tl.load(offset_ptr + row)
-    top_k = tl.load(top_k_ptr + row)
-    top_p = tl.load(top_p_ptr + row)
+def row_threshold(values, K, C, row_x, V, scale, offset, top_k, top_p, BLOCK: tl.constexpr,
+                  ROW_BLOCK: tl.constexpr):
+    """One row's threshold: `values` (pointer) its C sorted candidates, the first K of them the
+    top-k candidates; `row_x` (pointer) its V logits; scale, offset, top_k, top_p its settings (see
+    `thresholds`). Also called by runner/sampling/logits_pass.py's sort, on the lists it sorted."""
     neg_inf = float("-inf")
     v0 = tl.load(values).to(tl.float32)                     # the row's maximum
     min_p_threshold = tl.where(offset > neg_inf, v0 + offset, neg_inf)
@@ -78,7 +72,6 @@ def _threshold_kernel(values_ptr, stride_v, x_ptr, stride_x, scale_ptr, offset_p
     # candidate equals it.
     extra = tl.load(values + K, mask=C > K, other=neg_inf).to(tl.float32)
     ties = top_p_on & (extra == k_threshold) & (k_threshold > neg_inf) & (k_threshold < float("inf"))
-    row_x = x_ptr + row.to(tl.int64) * stride_x
     at_least = 0
     for off in range(0, tl.where(ties, V, 0), ROW_BLOCK):
         idx = off + tl.arange(0, ROW_BLOCK)
@@ -98,7 +91,20 @@ def _threshold_kernel(values_ptr, stride_v, x_ptr, stride_x, scale_ptr, offset_p
         carry = tl.max(cumulative, axis=0)
     last = tl.load(values + tl.maximum(kept_p - 1, 0)).to(tl.float32)
     p_threshold = tl.where(top_p_on, last, neg_inf)
-    tl.store(out_ptr + row, tl.maximum(min_p_threshold, tl.maximum(k_threshold, p_threshold)))
+    return tl.maximum(min_p_threshold, tl.maximum(k_threshold, p_threshold))
+
+
+@triton.jit
+def _threshold_kernel(values_ptr, stride_v, x_ptr, stride_x, scale_ptr, offset_ptr, top_k_ptr, top_p_ptr, out_ptr,
+                      lengths_ptr, V, C, K, BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr, PER_ROW: tl.constexpr):
+    row = tl.program_id(0)
+    if PER_ROW:   # each row's own K and C (runner/sampling/logits_pass.py)
+        K = tl.load(lengths_ptr + row * 2)
+        C = tl.load(lengths_ptr + row * 2 + 1)
+    threshold = row_threshold(values_ptr + row.to(tl.int64) * stride_v, K, C, x_ptr + row.to(tl.int64) * stride_x, V,
+                              tl.load(scale_ptr + row), tl.load(offset_ptr + row), tl.load(top_k_ptr + row),
+                              tl.load(top_p_ptr + row), BLOCK, ROW_BLOCK)
+    tl.store(out_ptr + row, threshold)
 
 
 _launch = FastLaunch(_threshold_kernel)
