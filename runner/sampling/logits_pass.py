@@ -84,6 +84,8 @@ class Candidates:
     threshold: torch.Tensor | None = None
     """[N, 1] float32: each row's min-p / top-k / top-p threshold, where `logits_pass` was given
     the rows' settings (runner/sampling/threshold_kernel.py's rules, in the sort's launch)."""
+    maxima: torch.Tensor | None = None
+    """[N, sub-blocks] float32: the pass's sub-block maxima (the bound's input)."""
 
 
 @triton.jit
@@ -269,9 +271,28 @@ def _carve(rows: int, parts: dict, device: torch.device) -> tuple[dict, dict]:
     return carved
 
 
+def _candidates(rows: int, num: int, cap: int, with_threshold: bool, device: torch.device,
+                workspace: dict | None) -> Candidates:
+    """The step's buffers: the last step's, kept in `workspace` (the caller's dict), where the
+    shapes are the same (decode steps of one batch), else new ones."""
+    key = (rows, num, cap, with_threshold, device)
+    if workspace is None:
+        workspace = {}
+    if workspace.get("key") != key:
+        floats, ints = _carve(rows, {"maxima": (torch.float32, num), "listed": (torch.float32, cap),
+                                     "values": (torch.float32, cap), "bound": (torch.float32, 0),
+                                     "lengths": (torch.int32, 2), "ids": (torch.int32, cap),
+                                     "count": (torch.int32, 0), "threshold": (torch.float32, 1)}, device)
+        found = Candidates(floats["values"], ints["lengths"], floats["listed"], ints["ids"], ints["count"],
+                           floats["bound"], floats["threshold"] if with_threshold else None)
+        found.maxima = floats["maxima"]
+        workspace.update(key=key, found=found)
+    return workspace["found"]
+
+
 def logits_pass(logits: torch.Tensor, out: torch.Tensor | None, penalties: PenaltyColumns | None,
                 columns: int, mask: tuple[torch.Tensor, torch.Tensor] | None = None,
-                settings: tuple[torch.Tensor, ...] | None = None) -> Candidates | None:
+                settings: tuple[torch.Tensor, ...] | None = None, workspace: dict | None = None) -> Candidates | None:
     """The passes over `logits` [N, V] (any float dtype, contiguous rows): with `mask` (a
     structured-output bitmask, int32 [N, >= V / 32] in xgrammar's packing, and int32 [N], nonzero
     for the rows it constrains), the disallowed tokens of those rows to -inf first; with
@@ -279,7 +300,9 @@ def logits_pass(logits: torch.Tensor, out: torch.Tensor | None, penalties: Penal
     float32 logits written there; with `columns` = k + 1 > 1 (at most MAX_CANDIDATES and V), the
     rows' candidates for top-k thresholds of k or less (else None), and with `settings` (per
     row, contiguous: scale, min_p_offset, top_k, top_p, as threshold_kernel.thresholds takes them)
-    their thresholds too (`Candidates.threshold`)."""
+    their thresholds too (`Candidates.threshold`). `workspace`: a dict the caller keeps across
+    steps, in which the buffers of a step are kept for the next step of the same shapes (no
+    allocation per step; only the step's kernels, in stream order, touch them)."""
     rows, vocab = logits.shape
     assert columns <= MAX_CANDIDATES and columns <= vocab, (columns, vocab)
     assert out is not None or columns, "the pass would do nothing"
@@ -288,14 +311,9 @@ def logits_pass(logits: torch.Tensor, out: torch.Tensor | None, penalties: Penal
     sub = sub_block(vocab, columns) if columns else BLOCK
     num, cap = blocks * (BLOCK // sub), list_capacity(columns)
     maxima = found = None
-    if columns:   # one float and one int allocation for every buffer of the step: less host time
-        floats, ints = _carve(rows, {"maxima": (torch.float32, num), "listed": (torch.float32, cap),
-                                     "values": (torch.float32, cap), "bound": (torch.float32, 0),
-                                     "lengths": (torch.int32, 2), "ids": (torch.int32, cap),
-                                     "count": (torch.int32, 0), "threshold": (torch.float32, 1)}, device)
-        maxima = floats["maxima"]
-        found = Candidates(floats["values"], ints["lengths"], floats["listed"], ints["ids"], ints["count"],
-                           floats["bound"], floats["threshold"] if settings is not None else None)
+    if columns:
+        found = _candidates(rows, num, cap, settings is not None, device, workspace)
+        maxima = found.maxima
     p = penalties
     dummy = maxima if maxima is not None else out   # a pointer for the arguments the constexprs switch off
     bitmask, constrained = mask if mask is not None else (dummy, dummy)

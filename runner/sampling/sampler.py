@@ -161,6 +161,10 @@ class Sampler:
     Mixed batches compute both and pick per row with torch.where.
     """
 
+    def __init__(self) -> None:
+        self._workspace: dict = {}
+        """The GPU pass's buffers, kept for the next step of the same shapes (logits_pass)."""
+
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         passed = self._gpu_pass(logits, metadata)
         if passed is not None:
@@ -203,13 +207,15 @@ class Sampler:
         if penalties is None and bitmask is None and not columns:
             return None
         out = None
-        if penalties is not None or bitmask is not None:
-            out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        if penalties is not None or bitmask is not None:   # kept for the next step of the same shape
+            out = self._workspace.get("out")
+            if out is None or out.shape != logits.shape or out.device != logits.device:
+                out = self._workspace["out"] = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
         mask = None if bitmask is None else (bitmask.bitmask, bitmask.constrained)
         settings = None
         if columns:   # the thresholds in the sort's launch
             settings = (metadata.scale, metadata.min_p_offset, metadata.top_k, metadata.top_p)
-        candidates = kernel.logits_pass(logits, out, penalties, columns, mask, settings)
+        candidates = kernel.logits_pass(logits, out, penalties, columns, mask, settings, self._workspace)
         raw = logits.float() if metadata.max_num_logprobs is not None else logits
         # The race counts its tokens into the penalty state where every row races (no greedy row
         # takes its argmax after it) and no multi-token bad word keeps a window of recent tokens.
