@@ -165,16 +165,17 @@ def _check_race(device: str, vocab: int):
     threshold[1] = float("-inf")
     temperature = torch.full((rows,), 0.7, device=device)
     counts = torch.zeros(3, vocab, dtype=torch.int32, device=device)
+    seen = torch.zeros(3, vocab, dtype=torch.uint8, device=device)
     slots = torch.tensor([2, -1, 0, -1, -1, 1, -1, -1], device=device)
     for trial in range(3):
         seeds = torch.randint(0, 2 ** 31 - 1, (rows,), generator=gen).to(device) if trial else 12345
         want = race(x, temperature, threshold, seeds)
-        assert torch.equal(race(x, temperature, threshold, seeds, found, record=(slots, counts)), want)
+        assert torch.equal(race(x, temperature, threshold, seeds, found, record=(slots, counts, seen)), want)
         assert bool((x.gather(1, want.unsqueeze(1)) >= threshold).all())
         for row, slot in enumerate(slots.tolist()):   # the drawn tokens were counted into the rows' slots
             if slot >= 0:
-                assert int(counts[slot, want[row]]) >= 1
-    assert int(counts.sum()) == 3 * 3
+                assert int(counts[slot, want[row]]) >= 1 and int(seen[slot, want[row]]) == 2
+    assert int(counts.sum()) == 3 * 3 and torch.equal(seen != 0, counts > 0)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="Triton on a CPU needs TRITON_INTERPRET=1")
@@ -253,3 +254,5 @@ def test_logits_pass_on_the_gpu(kernel_switches):
     for i, req in enumerate(reqs):
         row = counts[stage.states.slots[req.request_id]].cpu()
         assert int(row.sum()) == 3 and all(int(row[token]) >= 1 for token in (d[i] for d in drawn))
+        flags = stage.states.seen[stage.states.slots[req.request_id]].cpu()
+        assert torch.equal((flags & 2) != 0, row > 0)

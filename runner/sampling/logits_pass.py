@@ -8,7 +8,8 @@ thresholds need only each row's few largest values. Here:
 
 1. `_pass_kernel`, one program per (row, block of the vocabulary): reads the row's logits (any
    float dtype), where the row is constrained by structured output its token bitmask, and where
-   it has penalties its slot's output counts and prompt mask, once;
+   it has penalties its slot's token flags (in the prompt, in the output) and the output counts
+   of the tokens flagged as output, once;
    writes the penalised float32 logits (`out`: a new tensor, or the logits themselves in place) and
    the maximum of every sub-block of SUB tokens.
 2. `_bound_kernel`, one program per row: m = the (k+1)-th largest sub-block maximum (by
@@ -60,13 +61,13 @@ more take `torch.topk`."""
 @dataclass
 class PenaltyColumns:
     """The penalties of every row of a batch, for the pass: row i's token state is
-    `output_counts[slots[i]]` / `prompt_mask[slots[i]]` (slot -1: no penalties)."""
+    `output_counts[slots[i]]` / `seen[slots[i]]` (slot -1: no penalties)."""
     slots: torch.Tensor        # [N] int64
     repetition: torch.Tensor   # [N] float32 (1: off)
     frequency: torch.Tensor    # [N] float32 (0: off)
     presence: torch.Tensor     # [N] float32 (0: off)
     output_counts: torch.Tensor   # [slots, V] int32
-    prompt_mask: torch.Tensor     # [slots, V] bool
+    seen: torch.Tensor            # [slots, V] uint8: 1 in the prompt, 2 in the output (SamplingStates.seen)
 
 
 @dataclass
@@ -103,7 +104,7 @@ def _key_value(key):
 
 @triton.jit
 def _pass_kernel(x_ptr, stride_x, out_ptr, stride_out, max_ptr, stride_max, slots_ptr, counts_ptr, stride_counts,
-                 prompt_ptr, stride_prompt, rep_ptr, freq_ptr, pres_ptr, bitmask_ptr, stride_bitmask, constrained_ptr,
+                 seen_ptr, stride_seen, rep_ptr, freq_ptr, pres_ptr, bitmask_ptr, stride_bitmask, constrained_ptr,
                  V, BLOCK: tl.constexpr, SUB: tl.constexpr, PENALTIES: tl.constexpr, WRITE: tl.constexpr,
                  MAXIMA: tl.constexpr, MASKED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -119,12 +120,13 @@ def _pass_kernel(x_ptr, stride_x, out_ptr, stride_out, max_ptr, stride_max, slot
         slot = tl.load(slots_ptr + row)
         has = offs < tl.where(slot >= 0, V, 0)   # a row without penalties reads no state
         slot = tl.maximum(slot, 0).to(tl.int64)
-        count = tl.load(counts_ptr + slot * stride_counts + offs, mask=has, other=0)
-        in_prompt = tl.load(prompt_ptr + slot * stride_prompt + offs, mask=has, other=0)
+        flags = tl.load(seen_ptr + slot * stride_seen + offs, mask=has, other=0)
+        # The counts only where the token is in the output: few sectors of the row are read.
+        count = tl.load(counts_ptr + slot * stride_counts + offs, mask=has & ((flags & 2) != 0), other=0)
         rep = tl.load(rep_ptr + row)
         freq = tl.load(freq_ptr + row)
         pres = tl.load(pres_ptr + row)
-        seen = (in_prompt != 0) | (count > 0)
+        seen = flags != 0
         x = tl.where(seen, tl.where(x > 0, x / rep, x * rep), x)
         x = x - freq * count.to(tl.float32)
         x = x - pres * (count > 0).to(tl.float32)
@@ -322,7 +324,7 @@ def logits_pass(logits: torch.Tensor, out: torch.Tensor | None, penalties: Penal
                      0 if out is None else out.stride(0), dummy, 0 if maxima is None else maxima.stride(0),
                      dummy if p is None else p.slots, dummy if p is None else p.output_counts,
                      0 if p is None else p.output_counts.stride(0),
-                     dummy if p is None else p.prompt_mask.view(torch.uint8), 0 if p is None else p.prompt_mask.stride(0),
+                     dummy if p is None else p.seen, 0 if p is None else p.seen.stride(0),
                      dummy if p is None else p.repetition, dummy if p is None else p.frequency,
                      dummy if p is None else p.presence, bitmask, 0 if mask is None else bitmask.stride(0),
                      constrained, vocab, BLOCK, sub, p is not None, out is not None, maxima is not None,

@@ -206,7 +206,7 @@ class LogitsProcessors:
             return None
         rep, freq, pres = p.row_factors
         return triton_module("sampling.logits_pass").PenaltyColumns(p.row_slots, rep, freq, pres,
-                                                                    self.states.output_counts, self.states.prompt_mask)
+                                                                    self.states.output_counts, self.states.seen)
 
     def _apply_penalties(self, x: torch.Tensor, p: _Penalties) -> torch.Tensor:
         gpu = x.is_cuda and x.stride(1) == 1 and active_kernel_config().triton_sampling
@@ -221,8 +221,7 @@ class LogitsProcessors:
         counts = self.states.output_counts[p.slots]
         rows = x if p.all_rows else x[p.rows]   # changed in place below
         if p.any_repetition:  # HF / vLLM: over prompt and output tokens
-            seen = self.states.prompt_mask[p.slots]
-            seen |= counts > 0
+            seen = self.states.seen[p.slots] != 0   # in the prompt or the output
             scaled = torch.where(rows > 0, rows / p.repetition, rows * p.repetition)
             torch.where(seen, scaled, rows, out=rows)
         if p.any_additive:    # vLLM / OpenAI: over output tokens

@@ -50,7 +50,7 @@ def _uniform_block(seed, off, QUARTER: tl.constexpr):
 
 @triton.jit(do_not_specialize=["base_seed"])
 def _race_kernel(x_ptr, stride_x, temp_ptr, threshold_ptr, seed_ptr, base_seed, out_ptr, list_ptr, ids_ptr,
-                 stride_list, count_ptr, bound_ptr, slots_ptr, counts_ptr, stride_counts, V, CAP,
+                 stride_list, count_ptr, bound_ptr, slots_ptr, counts_ptr, stride_counts, seen_ptr, V, CAP,
                  BLOCK: tl.constexpr, LISTS: tl.constexpr, LIST_BLOCK: tl.constexpr, SEEDS: tl.constexpr,
                  RECORD: tl.constexpr):
     row = tl.program_id(0)
@@ -101,9 +101,11 @@ def _race_kernel(x_ptr, stride_x, temp_ptr, threshold_ptr, seed_ptr, base_seed, 
     tl.store(out_ptr + row, token.to(tl.int64))
     if RECORD:   # the penalties' count of the drawn token (SamplingStates.record's job, without its launches)
         slot = tl.load(slots_ptr + row)
-        if slot >= 0:
+        if slot >= 0:   # (SamplingStates: the count, and the token's OUTPUT flag in `seen`)
             at = counts_ptr + slot * stride_counts + token
             tl.store(at, tl.load(at) + 1)
+            flag = seen_ptr + slot * stride_counts + token
+            tl.store(flag, tl.load(flag) | 2)
 
 
 _launch = FastLaunch(_race_kernel)   # launched every step: no JITFunction.run per call
@@ -131,8 +133,9 @@ def race(logits: torch.Tensor, temperature: torch.Tensor, threshold: torch.Tenso
     `candidates` (runner/sampling/logits_pass.py `Candidates` of these logits): a row whose list
     holds every token it keeps races over the list alone, with the same draws (q is keyed by the
     token), so with the same result. `record` ((slots int64 [N], -1 for none; output_counts int32
-    [slots, V])): each row's drawn token is counted into `output_counts[slots[row]]` (a slot at
-    most once)."""
+    [slots, V]; seen uint8 [slots, V], of the same strides)): each row's drawn token is counted into
+    `output_counts[slots[row]]` and flagged as output in `seen` (a slot at most once), as
+    SamplingStates.record does."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
@@ -142,11 +145,13 @@ def race(logits: torch.Tensor, temperature: torch.Tensor, threshold: torch.Tenso
     c = candidates
     cap = 1 if c is None else c.listed.shape[1]
     seed_tensor = isinstance(seeds, torch.Tensor)
-    slots, counts = record if record is not None else (out, out)
+    slots, counts, seen = record if record is not None else (out, out, out)
+    if record is not None:
+        assert seen.stride(0) == counts.stride(0), "seen and output_counts share their row stride"
     _launch((rows,), logits, logits.stride(0), temperature.reshape(-1).float(), threshold.reshape(-1).float(),
             seeds if seed_tensor else out, 0 if seed_tensor else seeds, out, out if c is None else c.listed,
             out if c is None else c.listed_ids, 0 if c is None else c.listed.stride(0),
             out if c is None else c.count, out if c is None else c.bound, slots, counts,
-            0 if record is None else counts.stride(0), vocab, cap, BLOCK, c is not None, triton.next_power_of_2(cap),
+            0 if record is None else counts.stride(0), seen, vocab, cap, BLOCK, c is not None, triton.next_power_of_2(cap),
             seed_tensor, record is not None, device_index=logits.device.index or 0, num_warps=8)
     return out

@@ -221,7 +221,7 @@ class Sampler:
         # takes its argmax after it) and no multi-token bad word keeps a window of recent tokens.
         record = None
         if penalties is not None and metadata.all_random and processors.states.recent.shape[1] == 0:
-            record = (penalties.slots, penalties.output_counts)
+            record = (penalties.slots, penalties.output_counts, penalties.seen)
         return self._draw(logits if out is None else out, raw, metadata, owned=out is not None, candidates=candidates,
                           record=record)
 

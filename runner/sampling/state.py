@@ -7,8 +7,11 @@ output tokens cannot read them from the host lists. Each request that needs them
 sampled-token tensor itself after every step (`record`, no host sync):
 
 - `output_counts[slot, token]` (int32): how often `token` is in the output (presence and
-  frequency penalties, and with `prompt_mask` the repetition penalty);
-- `prompt_mask[slot, token]` (bool): whether `token` is in the prompt (repetition penalty);
+  frequency penalties);
+- `seen[slot, token]` (uint8 flags): PROMPT where `token` is in the prompt, OUTPUT where it is in
+  the output (the repetition penalty's set is where it is nonzero). A pass over the logits reads
+  these bytes and the counts only where OUTPUT is set: a quarter of the bytes of reading the
+  counts (runner/sampling/logits_pass.py);
 - `recent[slot, -W:]` (int64): the last W output tokens, -1 before the first (multi-token
   bad words compare their prefix with it).
 
@@ -24,6 +27,9 @@ from __future__ import annotations
 import torch
 
 from runner.scheduler import ScheduledRequest
+
+PROMPT, OUTPUT = 1, 2
+"""The flags of `SamplingStates.seen`."""
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -48,7 +54,7 @@ class SamplingStates:
         self.slots: dict[str, int] = {}
         self._free: list[int] = []
         self.output_counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
-        self.prompt_mask = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        self.seen = torch.zeros(0, vocab_size, dtype=torch.uint8, device=device)
         # No window until a request has a multi-token bad word: `record` then skips it.
         self.recent = torch.full((0, 0), -1, dtype=torch.int64, device=device)
 
@@ -79,7 +85,7 @@ class SamplingStates:
             self._grow()
         slot = self.slots[req.request_id] = self._free.pop()
         self.output_counts[slot].zero_()
-        self.prompt_mask[slot].zero_()
+        self.seen[slot].zero_()
         self.recent[slot].fill_(-1)
         if req.sampling_params.repetition_penalty != 1.0:
             if req.prompt_token_ids is None:
@@ -87,7 +93,7 @@ class SamplingStates:
             prompt = torch.tensor(req.prompt_token_ids, dtype=torch.int64).clamp_(0, self.vocab_size - 1)
             if self.device.type == "cuda":  # pinned: a pageable upload would wait for the step in flight
                 prompt = prompt.pin_memory()
-            self.prompt_mask[slot, prompt.to(self.device, non_blocking=True)] = True
+            self.seen[slot, prompt.to(self.device, non_blocking=True)] = PROMPT
         words = req.bad_words_token_ids or []
         window = max((len(word) - 1 for word in words), default=0)
         if window > self.recent.shape[1]:
@@ -101,11 +107,11 @@ class SamplingStates:
         new = max(8, 2 * old)
         counts = torch.zeros(new, self.vocab_size, dtype=torch.int32, device=self.device)
         counts[:old] = self.output_counts
-        mask = torch.zeros(new, self.vocab_size, dtype=torch.bool, device=self.device)
-        mask[:old] = self.prompt_mask
+        seen = torch.zeros(new, self.vocab_size, dtype=torch.uint8, device=self.device)
+        seen[:old] = self.seen
         recent = torch.full((new, self.recent.shape[1]), -1, dtype=torch.int64, device=self.device)
         recent[:old] = self.recent
-        self.output_counts, self.prompt_mask, self.recent = counts, mask, recent
+        self.output_counts, self.seen, self.recent = counts, seen, recent
         self._free.extend(range(new - 1, old - 1, -1))
 
     # ---- per step --------------------------------------------------------------------------
@@ -114,12 +120,15 @@ class SamplingStates:
         """The step's sampled `tokens` of the rows whose requests hold `slots` (device tensors; a
         slot at most once). The counts take one `index_add_` on the flattened tensor at
         `slot * vocab_size + token` (not `index_put_(accumulate=True)`, which sorts its indices on
-        a GPU: many launches). `offsets` (slots * vocab_size, int64) and `ones` (int32, one per
+        a GPU: many launches), and their OUTPUT flags are set. `offsets` (slots * vocab_size, int64) and `ones` (int32, one per
         slot) are what a plan keeps for its steps; computed here when not given."""
         if offsets is None:
             offsets = slots * self.vocab_size
         if ones is None:
             ones = torch.ones_like(tokens, dtype=torch.int32)
-        self.output_counts.view(-1).index_add_(0, offsets + tokens, ones)
+        at = offsets + tokens
+        self.output_counts.view(-1).index_add_(0, at, ones)
+        flags = self.seen.view(-1)
+        flags[at] = flags[at] | OUTPUT
         if self.recent.shape[1]:
             self.recent[slots] = torch.cat([self.recent[slots, 1:], tokens.unsqueeze(1)], dim=1)
