@@ -231,7 +231,8 @@ def test_logits_pass_on_the_gpu(kernel_switches):
     cpu_logits, cpu_metadata, _ = _sampler_case(64, 128256, "cpu", greedy=False)
     from runner.sampling.logits_pass import logits_pass
     out = torch.empty(logits.shape, dtype=torch.float32, device="cuda")
-    found = logits_pass(logits, out, metadata.processors.penalty_columns(), 51)
+    found = logits_pass(logits, out, metadata.processors.penalty_columns(), 51,
+                        settings=(metadata.scale, metadata.min_p_offset, metadata.top_k, metadata.top_p))
     processed = cpu_metadata.processors.apply(cpu_logits)
     torch.testing.assert_close(out.cpu(), processed, rtol=1e-6, atol=1e-6)
     got = sampler.threshold(out, metadata, found).cpu()

@@ -64,17 +64,15 @@ def _metadata(params: list[SamplingParams], full_sort: bool, device: str) -> Sam
 
 
 def _kernel_thresholds(logits: torch.Tensor, metadata: SamplingMetadata, via_pass: bool = False) -> torch.Tensor:
-    """The kernel's thresholds from torch.topk's candidates, or `via_pass` from the lists of
-    runner/sampling/logits_pass.py (where they apply: top-k candidates past 1 and up to its most)."""
+    """The kernel's thresholds from torch.topk's candidates, or `via_pass` those the sort of
+    runner/sampling/logits_pass.py computes from its lists (where they apply: top-k candidates past
+    1 and up to its most)."""
     from runner.sampling.logits_pass import logits_pass
     from runner.sampling.threshold_kernel import thresholds
     if via_pass:
         k = Sampler._top_count(metadata, logits.shape[-1])
         settings = (metadata.scale, metadata.min_p_offset, metadata.top_k, metadata.top_p)
-        found = logits_pass(logits, None, None, k + 1, settings=settings)
-        got = thresholds(found.values, k, logits, *settings, found.lengths)
-        assert torch.equal(found.threshold, got)   # the sort's launch computes the same thresholds
-        return got
+        return logits_pass(logits, None, None, k + 1, settings=settings).threshold
     values, k = Sampler._candidates(logits, metadata, extra=1)
     return thresholds(values, k, logits, metadata.scale, metadata.min_p_offset, metadata.top_k, metadata.top_p)
 

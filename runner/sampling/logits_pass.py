@@ -1,5 +1,5 @@
 """The passes over a step's logits before the draw (Triton, GPU): the penalties, the float32 copy,
-and the top-k candidates of the thresholds without `torch.topk`.
+the top-k candidates and thresholds without `torch.topk`.
 
 Why: at batch 256 over Llama's 128256 tokens every full-batch kernel moves ~130 MB, and the
 sampling stage with penalties used to be a float32 copy, the penalties (a read and a write) and
@@ -9,8 +9,7 @@ thresholds need only each row's few largest values. Here:
 1. `_pass_kernel`, one program per (row, block of the vocabulary): reads the row's logits (any
    float dtype), where the row is constrained by structured output its token bitmask, and where
    it has penalties its slot's token flags (in the prompt, in the output) and the output counts
-   of the tokens flagged as output, once;
-   writes the penalised float32 logits (`out`: a new tensor, or the logits themselves in place) and
+   of the tokens flagged as output, once; writes the penalised float32 logits (`out`: a new tensor, or the logits themselves in place) and
    the maximum of every sub-block of SUB tokens.
 2. `_bound_kernel`, one program per row: m = the (k+1)-th largest sub-block maximum (by
    bisection on the values' order keys). The k+1 sub-blocks with the largest maxima hold k+1
@@ -24,12 +23,12 @@ thresholds need only each row's few largest values. Here:
    (more than CAP values >= m: ties or a few blocks holding all the large values) takes the exact
    way instead: its (k+1)-th largest value t by bisection over the row, then the values above t
    and copies of t up to k+1, sorted. Given the rows' settings, the same program then computes
-   the row's threshold (threshold_kernel.row_threshold) from what it sorted: no launch of its own.
-The thresholds (runner/sampling/threshold_kernel.py) then read, per row, its sorted list with its
-length K (every value >= m: ties with the k-th value are all there), or for an overflowed row its
-k largest values plus the next, whose ties past them it counts over the row as it does after
-`torch.topk`. The draw (runner/sampling/race_kernel.py) races over a row's list instead of the row
-where the list is complete and the row's threshold is >= m (every token it keeps is listed).
+   the row's threshold (threshold_kernel.row_threshold) from what it sorted, with no launch of
+   its own: a complete list of length K holds every value >= m, so the ties with the k-th value
+   are all there; an overflowed row has its k largest values plus the next, whose ties past them
+   it counts over the row, as after `torch.topk`.
+The draw (runner/sampling/race_kernel.py) races over a row's list instead of the
+row where the list is complete and the row's threshold is >= m (every token it keeps is listed).
 
 Penalties: same formula and order as the torch path (runner/sampling/processors.py
 `_apply_penalties_torch`, HF / vLLM): repetition over prompt and output tokens (divide a positive

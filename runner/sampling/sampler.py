@@ -263,8 +263,8 @@ class Sampler:
 
     def threshold(self, logits: torch.Tensor, metadata: SamplingMetadata, candidates=None) -> torch.Tensor | None:
         """[N, 1] float32: the smallest logit min-p, top-k and top-p keep in each row (None: no filter).
-        `candidates`: the rows' largest values from the GPU pass (runner/sampling/logits_pass.py
-        `Candidates`), in place of `_candidates(logits, metadata, extra=1)` (torch.topk).
+        `candidates`: the GPU pass's `Candidates` (runner/sampling/logits_pass.py), made with the
+        rows' settings: their thresholds are already computed, by the same rules.
 
         On the logits before temperature (dividing by a positive temperature keeps their order),
         so no scaled copy of the batch is needed: min-p from the row's maximum, top-k and top-p
@@ -277,12 +277,8 @@ class Sampler:
             return None
         kernel = triton_module("sampling.threshold_kernel") if _triton_sampling(logits) else None
         if kernel is not None:
-            if candidates is not None and candidates.threshold is not None:
+            if candidates is not None:   # computed in the pass's sort launch
                 return candidates.threshold
-            if candidates is not None:
-                return kernel.thresholds(candidates.values, self._top_count(metadata, logits.shape[-1]), logits,
-                                         metadata.scale, metadata.min_p_offset, metadata.top_k, metadata.top_p,
-                                         candidates.lengths)
             values, k = self._candidates(logits, metadata, extra=1)
             return kernel.thresholds(values, k, logits, metadata.scale, metadata.min_p_offset, metadata.top_k,
                                      metadata.top_p)

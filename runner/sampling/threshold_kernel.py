@@ -96,11 +96,8 @@ def row_threshold(values, K, C, row_x, V, scale, offset, top_k, top_p, BLOCK: tl
 
 @triton.jit
 def _threshold_kernel(values_ptr, stride_v, x_ptr, stride_x, scale_ptr, offset_ptr, top_k_ptr, top_p_ptr, out_ptr,
-                      lengths_ptr, V, C, K, BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr, PER_ROW: tl.constexpr):
+                      V, C, K, BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    if PER_ROW:   # each row's own K and C (runner/sampling/logits_pass.py)
-        K = tl.load(lengths_ptr + row * 2)
-        C = tl.load(lengths_ptr + row * 2 + 1)
     threshold = row_threshold(values_ptr + row.to(tl.int64) * stride_v, K, C, x_ptr + row.to(tl.int64) * stride_x, V,
                               tl.load(scale_ptr + row), tl.load(offset_ptr + row), tl.load(top_k_ptr + row),
                               tl.load(top_p_ptr + row), BLOCK, ROW_BLOCK)
@@ -111,7 +108,7 @@ _launch = FastLaunch(_threshold_kernel)
 
 
 def thresholds(values: torch.Tensor, k: int, logits: torch.Tensor, scale: torch.Tensor, min_p_offset: torch.Tensor,
-               top_k: torch.Tensor, top_p: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+               top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """float32 [N, 1]: the smallest logit min-p, top-k and top-p keep in each row (-inf: all).
 
     values [N, C]: each row's largest logits, sorted, largest first (any float dtype): the `k`
@@ -124,8 +121,8 @@ def thresholds(values: torch.Tensor, k: int, logits: torch.Tensor, scale: torch.
     out = torch.empty(rows, 1, dtype=torch.float32, device=values.device)
     if rows == 0:
         return out
-    block = min(triton.next_power_of_2(columns if lengths is not None else k), MAX_CANDIDATE_BLOCK)
+    block = min(triton.next_power_of_2(k), MAX_CANDIDATE_BLOCK)
     _launch((rows,), values, values.stride(0), logits, logits.stride(0), scale, min_p_offset, top_k, top_p, out,
-            out if lengths is None else lengths, logits.shape[1], columns, k, block, ROW_BLOCK, lengths is not None,
-            device_index=values.device.index or 0, num_warps=4, num_stages=1)
+            logits.shape[1], columns, k, block, ROW_BLOCK, device_index=values.device.index or 0, num_warps=4,
+            num_stages=1)
     return out
