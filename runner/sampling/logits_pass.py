@@ -9,8 +9,8 @@ thresholds need only each row's few largest values. Here:
 1. `_pass_kernel`, one program per (row, block of the vocabulary): reads the row's logits (any
    float dtype), where the row is constrained by structured output its token bitmask, and where
    it has penalties its slot's token flags (in the prompt, in the output) and the output counts
-   of the tokens flagged as output, once; writes the penalised float32 logits (`out`: a new tensor, or the logits themselves in place) and
-   the maximum of every sub-block of SUB tokens.
+   of the tokens flagged as output, once; writes the penalised float32 logits (`out`: a new
+   tensor, or the logits themselves in place) and the maximum of every sub-block of SUB tokens.
 2. `_bound_kernel`, one program per row: m = the (k+1)-th largest sub-block maximum (by
    bisection on the values' order keys). The k+1 sub-blocks with the largest maxima hold k+1
    values >= m, so the row's (k+1)-th largest value is >= m: every value the thresholds can need
@@ -285,8 +285,7 @@ def _candidates(rows: int, num: int, cap: int, with_threshold: bool, device: tor
                                      "lengths": (torch.int32, 2), "ids": (torch.int32, cap),
                                      "count": (torch.int32, 0), "threshold": (torch.float32, 1)}, device)
         found = Candidates(floats["values"], ints["lengths"], floats["listed"], ints["ids"], ints["count"],
-                           floats["bound"], floats["threshold"] if with_threshold else None)
-        found.maxima = floats["maxima"]
+                           floats["bound"], floats["threshold"] if with_threshold else None, floats["maxima"])
         workspace.update(key=key, found=found)
     return workspace["found"]
 

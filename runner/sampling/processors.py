@@ -81,6 +81,8 @@ class LogitsProcessors:
     penalties: _Penalties | None = None
     states: SamplingStates | None = None
     state_rows: _StateRows | None = None
+    _penalty_columns: object = None
+    """`penalty_columns`' result, kept for the next steps of the plan."""
 
     @classmethod
     def build(cls, reqs: list[ScheduledRequest], states: SamplingStates, vocab_size: int,
@@ -200,13 +202,17 @@ class LogitsProcessors:
                 and self.bad_word_prefixes is None)
 
     def penalty_columns(self):
-        """The penalties as runner/sampling/logits_pass.py's PenaltyColumns (None: no penalties)."""
+        """The penalties as runner/sampling/logits_pass.py's PenaltyColumns (None: no penalties):
+        made once and kept for the plan's steps, anew only where the states' tensors have grown."""
         p = self.penalties
         if p is None:
             return None
-        rep, freq, pres = p.row_factors
-        return triton_module("sampling.logits_pass").PenaltyColumns(p.row_slots, rep, freq, pres,
-                                                                    self.states.output_counts, self.states.seen)
+        columns = self._penalty_columns
+        if columns is None or columns.output_counts is not self.states.output_counts:
+            rep, freq, pres = p.row_factors
+            columns = self._penalty_columns = triton_module("sampling.logits_pass").PenaltyColumns(
+                p.row_slots, rep, freq, pres, self.states.output_counts, self.states.seen)
+        return columns
 
     def _apply_penalties(self, x: torch.Tensor, p: _Penalties) -> torch.Tensor:
         gpu = x.is_cuda and x.stride(1) == 1 and active_kernel_config().triton_sampling

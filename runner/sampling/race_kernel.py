@@ -8,7 +8,8 @@ Here one program per row reads the row's logits once and keeps the argmax of
 x / T - log(q) over the tokens x >= threshold (drawing q only in blocks that keep a token), or
 reads only the row's list of its largest values where the GPU pass made one that holds every
 kept token (runner/sampling/logits_pass.py), q ~ Exp(1) from Philox keyed by the row's seed
-and the token's index (`_uniform`: one Philox evaluation gives four neighbouring tokens theirs): the exponential race of runner/sampling/sampler.py `_race`
+and the token's index (`_uniform`: one Philox evaluation gives four neighbouring tokens theirs):
+the exponential race of runner/sampling/sampler.py `_race`
 (P(token i) = softmax(x / T)_i over the kept tokens), with q drawn here instead of by torch.
 
 Seeds: one int per step from the default CPU generator, row r drawing with it + r, or where some
@@ -152,6 +153,7 @@ def race(logits: torch.Tensor, temperature: torch.Tensor, threshold: torch.Tenso
             seeds if seed_tensor else out, 0 if seed_tensor else seeds, out, out if c is None else c.listed,
             out if c is None else c.listed_ids, 0 if c is None else c.listed.stride(0),
             out if c is None else c.count, out if c is None else c.bound, slots, counts,
-            0 if record is None else counts.stride(0), seen, vocab, cap, BLOCK, c is not None, triton.next_power_of_2(cap),
-            seed_tensor, record is not None, device_index=logits.device.index or 0, num_warps=8)
+            0 if record is None else counts.stride(0), seen, vocab, cap, BLOCK, c is not None,
+            triton.next_power_of_2(cap), seed_tensor, record is not None, device_index=logits.device.index or 0,
+            num_warps=8)
     return out

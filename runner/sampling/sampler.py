@@ -195,7 +195,7 @@ class Sampler:
         kernel = triton_module("sampling.logits_pass") if _triton_sampling(logits) else None
         processors, bitmask = metadata.processors, metadata.token_bitmask
         if (kernel is None or (processors is not None and not processors.only_penalties)
-                or (bitmask is not None and (bitmask.constrained is None or logits.shape[1] > bitmask.vocab_size
+                or (bitmask is not None and (not bitmask.read_on_device(logits)
                                              or metadata.max_num_logprobs is not None))):
             return None   # (logprobs under a mask are those of the masked logits: the torch path's order)
         vocab = logits.shape[1]

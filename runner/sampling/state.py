@@ -120,8 +120,9 @@ class SamplingStates:
         """The step's sampled `tokens` of the rows whose requests hold `slots` (device tensors; a
         slot at most once). The counts take one `index_add_` on the flattened tensor at
         `slot * vocab_size + token` (not `index_put_(accumulate=True)`, which sorts its indices on
-        a GPU: many launches), and their OUTPUT flags are set. `offsets` (slots * vocab_size, int64) and `ones` (int32, one per
-        slot) are what a plan keeps for its steps; computed here when not given."""
+        a GPU: many launches), and their OUTPUT flags are set. `offsets` (slots * vocab_size, int64)
+        and `ones` (int32, one per slot) are what a plan keeps for its steps; computed here when
+        not given."""
         if offsets is None:
             offsets = slots * self.vocab_size
         if ones is None:

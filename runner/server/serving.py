@@ -164,3 +164,18 @@ class TextChunks:
         if self.with_ids:
             return self.head + json.dumps(text) + self.middle + json.dumps(token_ids) + self.tail
         return self.head + json.dumps(text) + self.tail
+
+
+class ChoiceTextChunks:
+    """The plain chunks of a streamed response with several choices: one `TextChunks` template per
+    choice index, made from `body(index, text, token_ids)` when the choice first streams text."""
+
+    def __init__(self, body: Callable[[int, str, object], dict]) -> None:
+        self.body = body
+        self.templates: dict[int, TextChunks] = {}
+
+    def line(self, index: int, text: str, token_ids: list[int] | None) -> str:
+        template = self.templates.get(index)
+        if template is None:
+            template = self.templates[index] = TextChunks(lambda t, ids: self.body(index, t, ids))
+        return template(text, token_ids)

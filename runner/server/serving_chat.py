@@ -7,7 +7,7 @@ import json
 from typing import AsyncIterator
 
 from runner.server.protocol import APIError, ChatCompletionRequest, ChatMessage
-from runner.server.serving import Choice, OpenAIServing, TextChunks, now, random_id, sse, top_entries, usage
+from runner.server.serving import Choice, ChoiceTextChunks, OpenAIServing, now, random_id, sse, top_entries, usage
 from runner.server.serving_completion import error_body
 
 
@@ -95,7 +95,8 @@ class ServingChat(OpenAIServing):
             return sse(json.dumps(chunk_body(*args)))
 
         plain = not request.logprobs
-        text_chunks: dict[int, TextChunks] = {}   # by choice index: its plain content chunks' template
+        text_chunks = ChoiceTextChunks(lambda i, text, ids: chunk_body(
+            i, {"content": text, "token_ids": ids} if request.return_token_ids else {"content": text}))
 
         try:
             async for out in self.stream(token_ids, params, request_id):
@@ -107,13 +108,7 @@ class ServingChat(OpenAIServing):
                     if not delta.text and not delta.token_ids and delta.finish_reason is None:
                         continue
                     if plain and delta.finish_reason is None:
-                        texts = text_chunks.get(delta.index)
-                        if texts is None:
-                            texts = text_chunks[delta.index] = TextChunks(
-                                lambda text, ids, i=delta.index: chunk_body(
-                                    i, {"content": text, "token_ids": ids} if request.return_token_ids
-                                    else {"content": text}))
-                        yield texts(delta.text, delta.token_ids)
+                        yield text_chunks.line(delta.index, delta.text, delta.token_ids)
                         continue
                     logprobs = self._logprobs(delta.logprobs or [], request.top_logprobs or 0) \
                         if request.logprobs else None

@@ -8,8 +8,8 @@ import json
 from typing import AsyncIterator
 
 from runner.server.protocol import APIError, CompletionRequest
-from runner.server.serving import (Choice, OpenAIServing, TextChunks, accumulate, now, random_id, sse, top_entries,
-                                   usage)
+from runner.server.serving import (Choice, ChoiceTextChunks, OpenAIServing, accumulate, now, random_id, sse,
+                                   top_entries, usage)
 
 
 class ServingCompletion(OpenAIServing):
@@ -106,7 +106,8 @@ class ServingCompletion(OpenAIServing):
         completion_tokens = 0
         offsets: dict[int, int] = {}
         plain = request.logprobs is None
-        text_chunks: dict[int, TextChunks] = {}   # by choice index: its plain text chunks' template
+        text_chunks = ChoiceTextChunks(lambda i, text, ids: self._chunk(
+            request_id, created, i, text, None, None, None, ids if request.return_token_ids else None))
 
         async def pump(prompt_index: int, token_ids, params) -> None:
             try:
@@ -155,12 +156,7 @@ class ServingCompletion(OpenAIServing):
                     if not delta.text and not delta.token_ids and delta.finish_reason is None:
                         continue
                     if plain and delta.finish_reason is None:
-                        texts = text_chunks.get(index)
-                        if texts is None:
-                            texts = text_chunks[index] = TextChunks(
-                                lambda text, ids, i=index: self._chunk(request_id, created, i, text, None, None, None,
-                                                                       ids if request.return_token_ids else None))
-                        yield texts(delta.text, delta.token_ids)
+                        yield text_chunks.line(index, delta.text, delta.token_ids)
                         continue
                     logprobs = None
                     if request.logprobs is not None:

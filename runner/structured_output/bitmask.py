@@ -31,10 +31,15 @@ class TokenBitmask:
         apply_token_bitmask_inplace(logits, self.bitmask, vocab_size=min(self.vocab_size, logits.shape[-1]),
                                     indices=self.indices)
 
+    def read_on_device(self, logits: torch.Tensor) -> bool:
+        """Whether GPU kernels can read this bitmask for `logits` (runner/greedy.py's masked argmax,
+        runner/sampling/logits_pass.py): CUDA logits, per-row flags, a bitmask as wide as the logits."""
+        return logits.is_cuda and self.constrained is not None and logits.shape[1] <= self.vocab_size
+
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """int64 [rows]: the greedy tokens under the mask, as `apply` then the argmax: on a GPU one
         pass over the logits that reads the bitmask (runner/greedy.py), elsewhere exactly that."""
-        if logits.is_cuda and self.constrained is not None and logits.shape[1] <= self.vocab_size:
+        if self.read_on_device(logits):
             from runner.greedy import masked_argmax_rows
             return masked_argmax_rows(logits, self.bitmask, self.constrained)
         from runner.sampling.sampler import argmax_rows
