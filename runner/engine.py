@@ -215,8 +215,7 @@ class LLMEngine:
         grammars go into the step's result (`grammar_errors`, `grammar_terminated`)."""
         structured = self._structured
         result.grammar_errors = structured.accept(result.sampled)
-        result.grammar_terminated = frozenset(request_id for request_id in result.sampled
-                                              if structured.is_terminated(request_id))
+        result.grammar_terminated = frozenset(structured.terminated.intersection(result.sampled))
 
     def _accept_structured(self, result) -> list[tuple[RequestState, CompletionOutput | None]]:
         """Advance each structured request's matcher by its token (unless `_accept_early` did); a
@@ -426,8 +425,7 @@ class LLMEngine:
         Requests that stopped at step n lose their n+1 work when n is applied. When n+1 would
         have to preempt, step n is applied first (a drain) and n+1 scheduled after it. With
         structured output, n+1's bitmask fill first waits for n's tokens and advances the
-        matchers (`_accept_early`), after n+1's forward is launched: no drain; step n is then
-        applied while xgrammar fills n+1's rows on its own threads (`while_filling`). A launch
+        matchers (`_accept_early`), after n+1's forward is launched: no drain. A launch
         that fails fails the requests of n+1 (n is still applied); a step n whose tokens never
         arrive fails its requests and forgets n+1 (the others' work is scheduled again)."""
         outputs = self._undelivered  # grows as steps are applied; kept for the next call if anything raises
@@ -446,17 +444,8 @@ class LLMEngine:
             structured = self._structured if self._structured is not None and self._structured.active else None
             if structured is not None and previous is not None:
                 # The bitmask of n+1 needs n's tokens in the matchers: the fill (after n+1's forward
-                # is launched) first waits for them and advances the matchers (`_accept_early`);
-                # while xgrammar fills n+1's rows (outside the GIL), step n is applied.
+                # is launched) first waits for them and advances the matchers (`_accept_early`).
                 structured.before_fill = lambda: self._accept_early(previous)
-
-                def apply_while_filling() -> None:
-                    nonlocal previous
-                    if previous is not None and previous.resolved:   # not if its tokens never came
-                        applied, previous = previous, None
-                        self._in_flight = None       # applied: an interrupted launch must not apply it again
-                        outputs.extend(self._resolve_and_apply(applied))
-                structured.while_filling = apply_while_filling
             try:
                 pending = self.executor.execute_async(sched)
             except Exception as error:
@@ -469,10 +458,7 @@ class LLMEngine:
                 raise
             finally:
                 if structured is not None:
-                    structured.before_fill = structured.while_filling = None
-            if self._dead is not None:   # applying step n during the launch killed the engine
-                self._undelivered = []
-                return outputs
+                    structured.before_fill = None
         elif sched.finished_ids or sched.preempted_ids:
             self.executor.execute(sched)  # lets the runner drop per-request state (generators)
         if pending is None and previous is None and self._structured is not None and self._structured.active:

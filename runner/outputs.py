@@ -21,9 +21,8 @@ class ModelRunnerOutput:
     has advanced the matchers by this step's tokens (None before: each step's tokens go to the
     matchers exactly once, early under async scheduling, see LLMEngine._accept_early)."""
     grammar_terminated: frozenset[str] = frozenset()
-    """Structured output: the requests whose grammar this step's token completed, read right after
-    the accepts (the engine applies the step while the matchers fill the next one's rows, so it
-    must not ask the matchers then)."""
+    """Structured output: the requests whose grammar this step's token completed, taken right
+    after the step's accepts."""
 
 
 class PendingOutput:

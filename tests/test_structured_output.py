@@ -178,8 +178,8 @@ def test_eos_only_where_the_grammar_may_end(llm):
 
 @pytest.mark.slow
 def test_one_steps_accepts_fail_only_the_refused_rows(llm):
-    """`accept` takes a whole step's tokens in one xgrammar call: each matcher advances by its own
-    token, only the refused rows get an error, requests without a grammar are skipped."""
+    """`accept` takes a whole step's tokens: each matcher advances by its own token, only the
+    refused rows get an error, requests without a grammar are skipped."""
     manager, tokenizer = llm.engine.structured_output, llm.tokenizer
     ids = ["digits-a", "digits-b", "digits-c"]
     for request_id in ids:
@@ -336,6 +336,22 @@ def test_benchmark_cpu_smoke(tmp_path, capsys):
     summary = result["summary"]
     assert summary["free_decode_tok_s"] > 0 and summary["structured_decode_tok_s"] > 0
     assert len(result["runs"]["structured"][0]["step_seconds"]) >= summary["steps"]
+
+
+def test_benchmark_xgrammar_only_times_accepts_and_fills(tmp_path, capsys):
+    from runner.benchmarks.structured import main
+    assert main(["--out", str(tmp_path), "--xgrammar-only", "--rows", "4"]) == 0
+    assert "4 matchers" in capsys.readouterr().out
+    (costs,) = json.loads((tmp_path / "xgrammar.json").read_text())
+    assert costs["rows"] == 4 and costs["accept_per_matcher_ms"] > 0 and costs["accept_batched_ms"] > 0
+    assert set(costs["fill_ms_by_threads"]) == {"1", "2", "4", "8", "16"}
+
+
+def test_fill_threads_grow_with_the_rows():
+    from runner.structured_output.manager import MAX_FILL_THREADS, fill_threads
+    assert fill_threads(1) == fill_threads(32) == fill_threads(63) == 1
+    assert fill_threads(64) == min(2, MAX_FILL_THREADS)
+    assert fill_threads(10_000) == MAX_FILL_THREADS
 
 
 # ---- GPU (cuda marker: skipped without one) -----------------------------------------------------

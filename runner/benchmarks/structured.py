@@ -3,28 +3,36 @@
     graphrunner bench structured --out DIR [--model DIR | --shape llama-3.2-1b] [--batch 32]
         [--steps 256] [--constraint json-string|any-text] [--tokenizer PATH]
     graphrunner bench structured --out DIR --cpu-small      # CPU smoke run (a 2-layer SmolLM2)
+    graphrunner bench structured --out DIR --xgrammar-only [--tokenizer PATH] [--rows 32 256]
 
 Dummy weights of the model's shape (load_format="dummy"), so the text is noise and only the
 per-step cost is meaningful. Both runs feed the same B prompts and generate greedily with
-ignore_eos; the constrained run adds one constraint to every request. The constraint must keep
-the batch whole for the run: `json-string` (default) is the JSON schema
+ignore_eos; the constrained run adds one constraint to every request, chosen to keep the batch
+whole for most of the run: `json-string` (default) is the JSON schema
 {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}, whose
 string value admits nearly every token, so the matchers fill real JSON-grammar masks each step
 and the noise rarely closes the object; `any-text` is the regex `(.|\\n)*`. A request whose
-grammar ends (the string closed, then EOS) leaves the batch early; the run reports how many did,
-and throughput counts the tokens each step really produced.
+grammar ends (the string closed, then EOS) leaves the batch early; the run reports how many did.
+The figure compared is taken over the decode steps whose outputs cover the whole batch (a step
+with fewer rows is not a step at batch B: counting its tokens would charge the smaller batch to
+structured output); the ratio over all steps is printed beside it.
 
 The engine is driven step by step (`LLMEngine.step`): the first steps (prefill) are excluded;
 decode throughput = decode tokens / decode seconds. The figure compared is the ratio of the two
-decode throughputs; the overhead includes everything structured output adds per step: filling
-the bitmask rows on the host (overlapping the forward), the copy, the masking kernel, the
-argmax of the masked logits instead of the graph's greedy tokens, and the matchers' accept
-(under async scheduling, of the step in flight's tokens, just before the next step's fill).
+decode throughputs at batch B; the overhead includes everything structured output adds per
+step: the matchers' accepts (under async scheduling, of the step in flight's tokens, just before
+the next step's fill), filling the bitmask rows on the host (while the forward runs), the copy,
+and the argmax of the masked logits instead of the graph's greedy tokens.
 
 The tokenizer defaults to the embedded SmolLM2's (a dummy checkpoint has none); with a larger
 model vocabulary the bitmask covers the model's vocabulary and ids past the tokenizer's are
 never allowed. Raw per-step times go to DIR/structured.json. `--host-profile` then prints the host
 functions of one more constrained run (cProfile), to see what the step's host chain spends.
+
+`--xgrammar-only` times, without a model, what xgrammar costs the host per step for R matchers
+inside the JSON string: the accepts (one `accept_token` call per matcher and xgrammar's
+`batch_accept_token`) and the batched fill at 1 to 16 threads; the manager's choices
+(runner/structured_output/manager.py) follow these figures. Raw figures go to DIR/xgrammar.json.
 """
 
 from __future__ import annotations
@@ -84,9 +92,14 @@ def _run(engine, prompts, params) -> dict:
     early = sum(len(o.outputs[0].token_ids) < params.max_tokens for o in finished.values())
     skip = 2  # the prefill step (and under async scheduling the step that only launches it)
     decode_seconds, decode_tokens = sum(step_seconds[skip:]), sum(step_tokens[skip:])
+    whole = [(seconds, tokens) for seconds, tokens in zip(step_seconds[skip:], step_tokens[skip:])
+             if tokens == len(prompts)]
+    whole_seconds = sum(seconds for seconds, _ in whole)
     return {"step_seconds": step_seconds, "step_tokens": step_tokens, "ended_early": early,
             "decode_seconds": decode_seconds, "decode_tokens": decode_tokens,
             "decode_tok_s": decode_tokens / decode_seconds if decode_seconds else 0.0,
+            "whole_batch_steps": len(whole),
+            "whole_batch_tok_s": sum(tokens for _, tokens in whole) / whole_seconds if whole_seconds else 0.0,
             "median_step_ms": 1e3 * statistics.median(step_seconds[skip:]) if len(step_seconds) > skip else 0.0}
 
 
@@ -107,6 +120,67 @@ def _print_host_profile(run, top: int = 15) -> None:
     print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[-4000:])
 
 
+def _time_ms(fn, repeats: int = 200) -> float:
+    fn()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return 1e3 * (time.perf_counter() - started) / repeats
+
+
+def xgrammar_costs(tokenizer, rows: int, thread_counts=(1, 2, 4, 8, 16)) -> dict:
+    """ms per call for `rows` matchers of the `json-string` constraint, each inside the string
+    (accepting a word keeps it there, so every repeat sees the same state's work): the accepts one
+    call per matcher and batched, and the batched fill per thread count."""
+    import torch
+    import xgrammar as xgr
+
+    from runner.structured_output.grammar import grammar_vocab_size
+    vocab = grammar_vocab_size(tokenizer, 1 << 30)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)
+    grammar = xgr.GrammarCompiler(info, max_threads=1).compile_json_schema(json.dumps(CONSTRAINTS["json-string"]["json"]))
+    matchers = [xgr.GrammarMatcher(grammar) for _ in range(rows)]
+    for matcher in matchers:
+        for token in tokenizer.encode('{"text": "hello', add_special_tokens=False):
+            if not matcher.accept_token(token):
+                raise RuntimeError("the tokenizer's encoding of the JSON prefix is refused by the grammar")
+    word = tokenizer.encode(" world", add_special_tokens=False)[0]
+    tokens = [word] * rows
+    bitmask = torch.zeros((rows, -(-vocab // 32)), dtype=torch.int32)
+    indices = list(range(rows))
+    costs = {"rows": rows, "vocab": vocab,
+             "accept_per_matcher_ms": _time_ms(lambda: [m.accept_token(t) for m, t in zip(matchers, tokens)]),
+             "accept_batched_ms": _time_ms(lambda: xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)),
+             "fill_ms_by_threads": {}}
+    for threads in thread_counts:
+        batch = xgr.BatchGrammarMatcher(max_threads=threads)
+        costs["fill_ms_by_threads"][threads] = _time_ms(
+            lambda: batch.batch_fill_next_token_bitmask(matchers, bitmask, indices))
+    return costs
+
+
+def _xgrammar_only(args) -> int:
+    from runner.structured_output.manager import fill_threads
+    from runner.tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(args.tokenizer or _embedded())
+    results = []
+    for rows in args.rows:
+        costs = xgrammar_costs(tokenizer, rows)
+        results.append(costs)
+        fills = ", ".join(f"{threads}: {ms:.3f}" for threads, ms in costs["fill_ms_by_threads"].items())
+        print(f"{rows} matchers (vocab {costs['vocab']}): accept {costs['accept_per_matcher_ms']:.3f} ms one call "
+              f"each, {costs['accept_batched_ms']:.3f} ms batched; fill ms by threads {{{fills}}}; the manager "
+              f"fills {rows} rows on {fill_threads(rows)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "xgrammar.json").write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+def _embedded() -> str:
+    from models.embedded import ensure_smollm2
+    return str(ensure_smollm2())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="graphrunner bench structured", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -125,8 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-small", action="store_true", help="CPU smoke: 2 layers, batch 4, 8 steps, fp32")
     parser.add_argument("--host-profile", action="store_true",
                         help="after the timed runs, one more structured run under cProfile: its top functions")
+    parser.add_argument("--xgrammar-only", action="store_true",
+                        help="no model: time xgrammar's accepts and fill for --rows matchers")
+    parser.add_argument("--rows", type=int, nargs="+", default=[32, 256], help="matchers, with --xgrammar-only")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
+    if args.xgrammar_only:
+        return _xgrammar_only(args)
     if args.cpu_small:
         args.device, args.dtype, args.batch, args.steps, args.prompt_len, args.repeats = "cpu", "float32", 4, 8, 8, 1
         args.num_layers = args.num_layers or 2
@@ -181,23 +260,30 @@ def main(argv: list[str] | None = None) -> int:
             graph_mode = engine.model_runner.cudagraph_mode.name
         finally:
             engine.shutdown()
-    best = {name: max(results, key=lambda r: r["decode_tok_s"]) for name, results in runs.items()}
-    ratio = best["structured"]["decode_tok_s"] / best["free"]["decode_tok_s"] if best["free"]["decode_tok_s"] else 0.0
+    best = {name: max(results, key=lambda r: r["whole_batch_tok_s"]) for name, results in runs.items()}
+    ratio = (best["structured"]["whole_batch_tok_s"] / best["free"]["whole_batch_tok_s"]
+             if best["free"]["whole_batch_tok_s"] else 0.0)
+    all_steps = {name: max(r["decode_tok_s"] for r in results) for name, results in runs.items()}
     summary = {"model": args.shape or args.model or "smollm2-135m (embedded config)", "num_layers": args.num_layers,
                "device": device_name, "dtype": args.dtype, "cudagraph_mode": graph_mode,
                "async_scheduling": async_scheduling, "batch": args.batch, "steps": args.steps,
                "prompt_len": args.prompt_len, "constraint": args.constraint,
-               "free_decode_tok_s": best["free"]["decode_tok_s"],
-               "structured_decode_tok_s": best["structured"]["decode_tok_s"],
+               "free_decode_tok_s": best["free"]["whole_batch_tok_s"],
+               "structured_decode_tok_s": best["structured"]["whole_batch_tok_s"],
+               "structured_whole_batch_steps": best["structured"]["whole_batch_steps"],
                "free_median_step_ms": best["free"]["median_step_ms"],
                "structured_median_step_ms": best["structured"]["median_step_ms"],
                "throughput_ratio": ratio, "overhead_percent": 100 * (1 - ratio),
+               "all_steps_throughput_ratio": (all_steps["structured"] / all_steps["free"]
+                                              if all_steps["free"] else 0.0),
                "structured_ended_early": best["structured"]["ended_early"], "torch": torch.__version__}
     print(f"{summary['model']} ({device_name}, {args.dtype}, {graph_mode}, async={async_scheduling}), batch "
           f"{args.batch}, {args.steps} steps, {args.constraint}: free {summary['free_decode_tok_s']:.0f} tok/s "
           f"({summary['free_median_step_ms']:.2f} ms/step), structured {summary['structured_decode_tok_s']:.0f} tok/s "
-          f"({summary['structured_median_step_ms']:.2f} ms/step): ratio {ratio:.3f}, overhead "
-          f"{summary['overhead_percent']:.1f}% ({summary['structured_ended_early']} requests ended early)")
+          f"({summary['structured_median_step_ms']:.2f} ms/step) over the steps of the whole batch: ratio "
+          f"{ratio:.3f}, overhead {summary['overhead_percent']:.1f}%; all steps, with the "
+          f"{summary['structured_ended_early']} requests that ended early: ratio "
+          f"{summary['all_steps_throughput_ratio']:.3f}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "structured.json").write_text(json.dumps({"summary": summary, "runs": runs}, indent=1) + "\n")
     return 0

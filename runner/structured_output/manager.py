@@ -18,6 +18,10 @@ step n in flight; the fill of n+1's rows first calls `before_fill`, with which t
 for step n's tokens and advances the matchers by them, so the fill overlaps n+1's forward and the
 masks equal those of synchronous scheduling.
 
+The accepts and the fill hold the GIL (xgrammar's bindings do not release it), so no Python work
+overlaps them: they run on the engine's thread, and their cost is host time of every
+constrained step (`graphrunner bench structured --xgrammar-only` times them on the host).
+
 The matchers fill rows as wide as the tokenizer's vocabulary (`grammar_vocab_size`); the device
 bitmask is as wide as the model's, and its columns past the tokenizer's stay zero, so the ids
 past the tokenizer's are never allowed and xgrammar never pays for them. The pinned host rows
@@ -42,9 +46,17 @@ from runner.structured_output.grammar import GrammarCompilerService
 
 logger = logging.getLogger(__name__)
 
-FILL_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
-"""Threads xgrammar fills a step's bitmask rows with (half the cores, at most 8: the engine's
-own thread and the device's launches keep the rest)."""
+MAX_FILL_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+"""Threads xgrammar fills a step's bitmask rows with at most (half the cores, at most 8: the
+engine's own thread and the device's launches keep the rest)."""
+ROWS_PER_FILL_THREAD = 32
+"""Rows each fill thread gets at least: waking a thread costs about what it saves on a few dozen
+rows (`graphrunner bench structured --xgrammar-only` prints the fill per thread count)."""
+
+
+def fill_threads(rows: int) -> int:
+    """Threads for a batched fill of `rows` rows: one per ROWS_PER_FILL_THREAD, 1 to MAX_FILL_THREADS."""
+    return max(1, min(MAX_FILL_THREADS, rows // ROWS_PER_FILL_THREAD))
 
 
 @dataclass(eq=False)
@@ -55,6 +67,8 @@ class GrammarState:
     stop_token_ids: list[int] | None = None
     matcher: object | None = None
     submitted: float = 0.0
+    stop_ids: frozenset[int] = frozenset()
+    """The matcher's stop tokens: only accepting one of them can terminate it."""
 
     @property
     def ready(self) -> bool:
@@ -71,18 +85,15 @@ class StructuredOutputManager:
         self._rows: tuple | None = None
         """The last step's (constrained rows, number of rows) and their device tensors (indices,
         per-row flags): decode steps mostly repeat them, so they are uploaded only when they change."""
-        self._batch = None
+        self._batches: dict[int, object] = {}
+        self.terminated: set[str] = set()
+        """Requests whose matcher accepted a stop token at an end state (the grammar is complete)."""
         self.compile_wait_seconds = 0.0
         """Time the engine spent waiting for compiles with nothing else to run (`wait_for_compiles`)."""
         self.before_fill = None
         """Async scheduling: called before a step's rows are filled, once some row is constrained. The
         engine sets it while it launches step n+1 with step n in flight: it waits for step n's tokens
         (not for n+1's forward, enqueued after them) and advances the matchers by them."""
-        self.while_filling = None
-        """Async scheduling: called once, on the engine's thread, while a worker thread fills the
-        step's rows (xgrammar's fill runs outside the GIL): the engine applies step n then, so its
-        host work overlaps the fill instead of following it. It must not touch the matchers."""
-        self._filler = None
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, params: StructuredOutputsParams) -> GrammarState:
@@ -93,6 +104,7 @@ class StructuredOutputManager:
 
     def remove(self, request_id: str) -> None:
         self.states.pop(request_id, None)
+        self.terminated.discard(request_id)
 
     @property
     def active(self) -> bool:
@@ -121,6 +133,7 @@ class StructuredOutputManager:
         if state.matcher is None:
             from xgrammar import GrammarMatcher
             state.matcher = GrammarMatcher(state.future.result(), override_stop_tokens=state.stop_token_ids or None)
+            state.stop_ids = frozenset(state.matcher.stop_token_ids)
         return state.matcher
 
     # ---- one step ------------------------------------------------------------------------
@@ -153,23 +166,16 @@ class StructuredOutputManager:
             self._rows = (key, (host[:len(indices)], host[len(indices):]))
         return self._rows[1]
 
-    def _batch_matcher(self):
-        if self._batch is None:
-            from xgrammar import BatchGrammarMatcher
-            self._batch = BatchGrammarMatcher(max_threads=FILL_THREADS)
-        return self._batch
-
-    def _fill_thread(self):
-        if self._filler is None:
-            from concurrent.futures import ThreadPoolExecutor
-            self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask-fill")
-        return self._filler
-
     def _fill(self, matchers: list, host: torch.Tensor, indices: list[int]) -> None:
         if len(matchers) == 1:
             matchers[0].fill_next_token_bitmask(host, indices[0])
-        elif matchers:  # xgrammar fills the rows on its own threads, outside the GIL
-            self._batch_matcher().batch_fill_next_token_bitmask(matchers, host, indices)
+        elif matchers:
+            threads = fill_threads(len(matchers))
+            batch = self._batches.get(threads)
+            if batch is None:
+                from xgrammar import BatchGrammarMatcher
+                batch = self._batches[threads] = BatchGrammarMatcher(max_threads=threads)
+            batch.batch_fill_next_token_bitmask(matchers, host, indices)
 
     def token_bitmask(self, reqs, rows: list[int]) -> TokenBitmask | None:
         """The bitmask of the step's sampling rows (`reqs[rows[k]]` samples row k), or None when no
@@ -177,63 +183,51 @@ class StructuredOutputManager:
         states = self.states
         if not states:
             return None
-        constrained = [(row, state) for row, i in enumerate(rows)
-                       if (state := states.get(reqs[i].request_id)) is not None]
+        constrained = [(row, request_id, state) for row, i in enumerate(rows)
+                       if (state := states.get(request_id := reqs[i].request_id)) is not None]
         if not constrained:
             return None
         if self.before_fill is not None:  # async scheduling: the matchers take the step in flight's tokens
             self.before_fill()
         host = self._host()
         matchers, indices = [], []
-        for row, state in constrained:
-            matcher = self._matcher(state)
-            if matcher.is_terminated():
+        terminated = self.terminated
+        for row, request_id, state in constrained:
+            if request_id in terminated:
                 # Ended by the token in flight (async scheduling): the row's token is discarded when
                 # that step is applied; any mask will do, and a terminated matcher fills none.
                 host[row].fill_(-1)
             else:
-                matchers.append(matcher)
+                matchers.append(self._matcher(state))
                 indices.append(row)
-        overlap, self.while_filling = self.while_filling, None
-        if overlap is not None and matchers:
-            filled = self._fill_thread().submit(self._fill, matchers, host, indices)
-            try:
-                overlap()
-            finally:
-                filled.result()
-        else:
-            self._fill(matchers, host, indices)
-            if overlap is not None:
-                overlap()
+        self._fill(matchers, host, indices)
         bitmask = self._device()[:len(rows)]
         bitmask[:, :host.shape[1]].copy_(host[:len(rows)], non_blocking=True)
-        indices, flags = self._row_tensors([row for row, _ in constrained], len(rows))
+        indices, flags = self._row_tensors([row for row, _, _ in constrained], len(rows))
         return TokenBitmask(bitmask, indices, self.vocab_size, flags)
 
     def accept(self, sampled: dict[str, int]) -> dict[str, str]:
         """Advance each structured request's matcher by its sampled token (requests without
         structured output are skipped); {request id: error message} of those whose grammar refuses
-        the token. One call into xgrammar for the whole step (`batch_accept_token`), not a Python
-        call per matcher: the accepts sit between a step's tokens and the next step's bitmask, on
-        the path the device waits on (docs/PERFORMANCE.md, "Structured output overhead")."""
-        ids = [request_id for request_id in sampled if request_id in self.states]
-        if not ids:
-            return {}
-        matchers = [self._matcher(self.states[request_id]) for request_id in ids]
-        tokens = [sampled[request_id] for request_id in ids]
-        if len(ids) == 1:
-            accepted = [matchers[0].accept_token(tokens[0])]
-        else:
-            from xgrammar import BatchGrammarMatcher
-            accepted = BatchGrammarMatcher.batch_accept_token(matchers, tokens)
-        return {request_id: f"structured_outputs: the grammar does not accept the sampled token {token}"
-                for request_id, token, ok in zip(ids, tokens, accepted) if not ok}
+        the token. A matcher can end only on one of its stop tokens, so only those rows ask it
+        whether it terminated (`terminated`). The accepts sit between a step's tokens and the next
+        step's bitmask, on the path the device waits on (docs/PERFORMANCE.md, "Structured output
+        overhead"): one Python call per row, which is faster than xgrammar's
+        `batch_accept_token` for a decode batch (`graphrunner bench structured --xgrammar-only`)."""
+        states, errors = self.states, {}
+        for request_id, token in sampled.items():
+            state = states.get(request_id)
+            if state is None:
+                continue
+            matcher = state.matcher or self._matcher(state)
+            if not matcher.accept_token(token):
+                errors[request_id] = f"structured_outputs: the grammar does not accept the sampled token {token}"
+            elif token in state.stop_ids and matcher.is_terminated():
+                self.terminated.add(request_id)
+        return errors
 
     def is_terminated(self, request_id: str) -> bool:
-        state = self.states.get(request_id)
-        return state is not None and state.matcher is not None and state.matcher.is_terminated()
+        return request_id in self.terminated
 
     def shutdown(self) -> None:
         self.compilers.shutdown()
-        if self._filler is not None:
-            self._filler.shutdown(wait=False)
