@@ -431,13 +431,15 @@ class ModelRunner(GraphStartUp):
         TP rank computes them, so the step's collectives do not depend on the sampling path)."""
         rows = [i for i, r in enumerate(reqs) if r.sample]
         prompt_logprobs = self._prompt_logprobs(reqs, hidden, common)
+        model_logits = None
         if logits is not None:
             sampling_logits, greedy = (lambda: logits), (lambda: argmax_rows(logits))
         else:
             sampling_logits = lambda: self._sampling_logits(reqs, rows, hidden, common)  # noqa: E731
+            model_logits = lambda: self._sampling_logits(reqs, rows, hidden, common, float32=False)  # noqa: E731
             greedy = lambda: self._greedy_tokens(reqs, rows, hidden, common)  # noqa: E731
         return self.sampling.launch([reqs[i] for i in rows], sampling_logits, greedy, prompt_logprobs,
-                                    self._token_bitmask(reqs, rows) if rows else None)
+                                    self._token_bitmask(reqs, rows) if rows else None, model_logits)
 
     def sample(self, reqs: list[ScheduledRequest], hidden, common, logits=None) -> ModelRunnerOutput:
         """Synchronous scheduling: `sample_async` and its wait."""

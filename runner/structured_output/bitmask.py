@@ -38,11 +38,13 @@ class TokenBitmask:
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """int64 [rows]: the greedy tokens under the mask, as `apply` then the argmax: on a GPU one
-        pass over the logits that reads the bitmask (runner/greedy.py), elsewhere exactly that."""
+        pass over the logits (any float dtype) that reads the bitmask (runner/greedy.py),
+        elsewhere exactly that on float32 logits (masked in place when they are float32)."""
         if self.read_on_device(logits):
             from runner.greedy import masked_argmax_rows
             return masked_argmax_rows(logits, self.bitmask, self.constrained)
         from runner.sampling.sampler import argmax_rows
+        logits = logits.float()
         self.apply(logits)
         return argmax_rows(logits)
 
