@@ -133,7 +133,14 @@ class IncrementalDetokenizer:
         return text, (len(clean(raw[:cut])) if cut >= 0 else 0)
 
     def _decode(self, token_ids: list[int]) -> str:
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+        if self._backend is not None:
+            # The stream's tokenizer, whose decode is its Rust one (`_stream_backend`): called
+            # directly, without transformers' per-call conversion of the ids (`to_py_obj`), which
+            # cost more than the decode itself where the stream held tokens back (py-spy of the
+            # engine process under `graphrunner bench serve`).
+            text = self._backend.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+        else:
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
         return text.rstrip("\ufffd")
 
     def _stream_holds_back(self, output_token_ids: list[int]) -> bool:
