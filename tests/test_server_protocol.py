@@ -120,3 +120,14 @@ def test_the_serving_process_freezes_its_start_up_heap_and_collects_in_larger_ba
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def test_the_streaming_backend_is_imported_at_start_up():
+    """anyio's asyncio backend (Starlette's streamed responses run in its task groups) is imported
+    before the server serves, not inside the first streamed response."""
+    import subprocess
+    import sys
+    code = ("import sys; from runner.server.api_server import import_streaming_backend; "
+            "assert 'anyio._backends._asyncio' not in sys.modules; import_streaming_backend(); "
+            "assert 'anyio._backends._asyncio' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -71,6 +71,16 @@ def quiet_garbage_collector() -> None:
     gc.set_threshold(*GC_THRESHOLD)
 
 
+def import_streaming_backend() -> None:
+    """Starlette runs every streamed response in an anyio task group, and anyio imports its asyncio
+    backend on first use: without this, inside the first streamed responses, while they wait
+    (py-spy of the API process under `graphrunner bench serve` put a tenth of its samples in that
+    import, on a host whose packages carry no bytecode). A throwaway anyio run imports it at
+    start-up, before the heap is frozen (`quiet_garbage_collector`)."""
+    import anyio
+    anyio.run(anyio.sleep, 0)
+
+
 def engine_in_own_process(config: ServerConfig, engine_config: EngineConfig) -> bool:
     """`ServerConfig.engine_process`, or where it is None, whether the engine runs on a GPU."""
     if config.engine_process is not None:
@@ -126,6 +136,7 @@ def serve(args: argparse.Namespace) -> int:
             print(f"graphrunner: serving {model_name} at http://{config.host}:{port}", flush=True)
         await serving
 
+    import_streaming_backend()
     quiet_garbage_collector()
     try:
         run_event_loop(run())
