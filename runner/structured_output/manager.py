@@ -212,14 +212,14 @@ class StructuredOutputManager:
         the token. A matcher can end only on one of its stop tokens, so only those rows ask it
         whether it terminated (`terminated`). The accepts sit between a step's tokens and the next
         step's bitmask, on the path the device waits on (docs/PERFORMANCE.md, "Structured output
-        overhead"): one Python call per row, which is faster than xgrammar's
-        `batch_accept_token` for a decode batch (`graphrunner bench structured --xgrammar-only`)."""
+        overhead"): one Python call per row, which beats xgrammar's `batch_accept_token` at a few
+        dozen rows (`graphrunner bench structured --xgrammar-only`)."""
         states, errors = self.states, {}
         for request_id, token in sampled.items():
             state = states.get(request_id)
             if state is None:
                 continue
-            matcher = state.matcher or self._matcher(state)
+            matcher = self._matcher(state)
             if not matcher.accept_token(token):
                 errors[request_id] = f"structured_outputs: the grammar does not accept the sampled token {token}"
             elif token in state.stop_ids and matcher.is_terminated():
