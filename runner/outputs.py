@@ -50,11 +50,6 @@ class PendingOutput:
         if self._event is not None:
             self._event.synchronize()
 
-    @property
-    def resolved(self) -> bool:
-        """The output has been built (`resolve` returned)."""
-        return self._result is not None
-
     def resolve(self) -> ModelRunnerOutput:
         if self._result is None:
             self.wait()
