@@ -5,6 +5,10 @@ from __future__ import annotations
 import functools
 import importlib
 
+import torch
+
+from configs.kernel_config import active_kernel_config
+
 
 @functools.cache
 def triton_module(name: str):
@@ -14,3 +18,11 @@ def triton_module(name: str):
         return importlib.import_module(f"runner.{name}")
     except ImportError:
         return None
+
+
+def sampling_kernel(name: str, logits: torch.Tensor):
+    """`triton_module(name)` where the GPU sampling kernels take these logits (CUDA, contiguous
+    rows, KernelConfig.triton_sampling on), else None: the torch path."""
+    if not (logits.is_cuda and logits.stride(1) == 1 and active_kernel_config().triton_sampling):
+        return None
+    return triton_module(name)

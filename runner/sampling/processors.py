@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from configs.kernel_config import active_kernel_config
-from runner.sampling.kernels import triton_module
+from runner.sampling.kernels import sampling_kernel, triton_module
 from runner.sampling.state import SamplingStates, needs_token_state
 from runner.scheduler import ScheduledRequest
 
@@ -215,8 +214,7 @@ class LogitsProcessors:
         return columns
 
     def _apply_penalties(self, x: torch.Tensor, p: _Penalties) -> torch.Tensor:
-        gpu = x.is_cuda and x.stride(1) == 1 and active_kernel_config().triton_sampling
-        kernel = triton_module("sampling.logits_pass") if gpu else None
+        kernel = sampling_kernel("sampling.logits_pass", x)
         if kernel is not None:  # one pass over the logits, in place (runner/sampling/logits_pass.py)
             kernel.logits_pass(x, x, self.penalty_columns(), 0)
             return x

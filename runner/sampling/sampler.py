@@ -13,15 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from configs.kernel_config import active_kernel_config
 from configs.sampling_params import SamplingParams
-from runner.sampling.kernels import triton_module
+from runner.sampling.kernels import sampling_kernel, triton_module
 from runner.sampling.processors import LogitsProcessors
-
-
-def _triton_sampling(logits: torch.Tensor) -> bool:
-    """Whether the GPU sampling kernels take these logits (KernelConfig.triton_sampling)."""
-    return logits.is_cuda and logits.stride(1) == 1 and active_kernel_config().triton_sampling
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -192,7 +186,7 @@ class Sampler:
         candidates of the thresholds in one pass over the logits (runner/sampling/logits_pass.py),
         then the draw. None where the pass does not apply: other processors this step, a mask that
         does not cover the logits or with logprobs, no Triton, or nothing for it to do."""
-        kernel = triton_module("sampling.logits_pass") if _triton_sampling(logits) else None
+        kernel = sampling_kernel("sampling.logits_pass", logits)
         processors, bitmask = metadata.processors, metadata.token_bitmask
         if (kernel is None or (processors is not None and not processors.only_penalties)
                 or (bitmask is not None and (not bitmask.read_on_device(logits)
@@ -235,7 +229,7 @@ class Sampler:
         if metadata.all_greedy:
             sampled = greedy_ids
         else:
-            kernel = triton_module("sampling.race_kernel") if _triton_sampling(logits) else None
+            kernel = sampling_kernel("sampling.race_kernel", logits)
             if kernel is not None:  # one pass over the logits (runner/sampling/race_kernel.py)
                 sampled = kernel.race(logits, metadata.scale, self.threshold(logits, metadata, candidates),
                                       kernel.row_seeds(logits.shape[0], metadata.generators, logits.device),
@@ -275,7 +269,7 @@ class Sampler:
         """
         if metadata.no_min_p and metadata.no_top_k and metadata.no_top_p:
             return None
-        kernel = triton_module("sampling.threshold_kernel") if _triton_sampling(logits) else None
+        kernel = sampling_kernel("sampling.threshold_kernel", logits)
         if kernel is not None:
             if candidates is not None:   # computed in the pass's sort launch
                 return candidates.threshold

@@ -27,6 +27,11 @@ from runner.scheduler import ScheduledRequest
 _REQUEST_ID = operator.attrgetter("request_id")
 
 
+def _inside_min_tokens(reqs: list[ScheduledRequest], rows: list[int]) -> tuple[int, ...]:
+    """Those of `rows` whose request has fewer output tokens than its min_tokens."""
+    return tuple(row for row in rows if reqs[row].output_token_count < reqs[row].sampling_params.min_tokens)
+
+
 @dataclass
 class _Plan:
     """What a step's sampling needs from its requests' settings (device tensors included), kept
@@ -109,13 +114,11 @@ class SamplingStage:
         request_ids = list(map(_REQUEST_ID, reqs))
         plan = self._last_plan
         if plan is not None and plan.request_ids == request_ids:
-            inside = tuple(row for row in plan.min_token_rows
-                           if reqs[row].output_token_count < reqs[row].sampling_params.min_tokens)
-            if inside == plan.inside_min_tokens:
+            if _inside_min_tokens(reqs, plan.min_token_rows) == plan.inside_min_tokens:
                 return plan
         params = [req.sampling_params for req in reqs]
         min_token_rows = [row for row, p in enumerate(params) if p.min_tokens > 0]
-        inside = tuple(row for row in min_token_rows if reqs[row].output_token_count < params[row].min_tokens)
+        inside = _inside_min_tokens(reqs, min_token_rows)
         processors = LogitsProcessors.build(reqs, self.states, self.vocab_size, self.to_device)
         metadata = None
         if processors is not None or not all(p.temperature == 0.0 and p.logprobs is None for p in params):
