@@ -167,6 +167,15 @@ class ParallelConfig(_Config):
         default_factory=env_default("GRAPHRUNNER_PP_STEP_TIMEOUT_S", "ParallelConfig.pp_step_timeout_s", 300.0),
         ge=0, description="seconds rank 0 waits for one step's reply from the live sampler rank; 0: no limit "
                           "[GRAPHRUNNER_PP_STEP_TIMEOUT_S]")
+    push_all_reduce_max_bytes: int = Field(
+        default_factory=env_default("GRAPHRUNNER_PUSH_ALL_REDUCE_MAX_BYTES",
+                                    "ParallelConfig.push_all_reduce_max_bytes", 0),
+        ge=0, description="tensor parallelism on GPUs: all-reduces of at most this many bytes run as one kernel "
+                          "that pushes each rank's values into its peers' buffers over NVLink "
+                          "(models/push_all_reduce.py) instead of NCCL, from a buffer of 4 x tensor_parallel_size x "
+                          "this bytes on each GPU; 131072 takes decode batches up to 16 rows of 4096 bf16. "
+                          "0 (default): NCCL for all, until a hang seen once with it on is explained "
+                          "(docs/PARALLEL.md) [GRAPHRUNNER_PUSH_ALL_REDUCE_MAX_BYTES]")
     threads: int | None = Field(
         None, ge=1, description="CPU threads of torch's operators (torch.set_num_threads, set when the engine "
                                 "starts, for the whole process); None: torch's default, one per core")

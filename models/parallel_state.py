@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from models.push_all_reduce import PushAllReduce
+
 
 @dataclass(frozen=True)
 class TensorParallelGroup:
@@ -25,19 +27,22 @@ class TensorParallelGroup:
     size: int = 1
     group: object | None = None
     """The torch.distributed ProcessGroup of the tensor-parallel ranks; None when size == 1."""
+    push: PushAllReduce | None = None
+    """The one-kernel all-reduce of small tensors over NVLink (GPUs); None: NCCL does every all-reduce."""
 
 
 _GROUP = TensorParallelGroup()
 
 
-def set_tensor_parallel_group(rank: int, size: int, group) -> None:
-    """Declare this process's tensor-parallel group (rank, size, torch.distributed group)."""
+def set_tensor_parallel_group(rank: int, size: int, group, push: PushAllReduce | None = None) -> None:
+    """Declare this process's tensor-parallel group (rank, size, torch.distributed group, and the
+    push all-reduce when the runner set one up)."""
     global _GROUP
     if not 0 <= rank < size:
         raise ValueError(f"tensor-parallel rank {rank} is outside 0..{size - 1}")
     if size > 1 and group is None:
         raise ValueError("a tensor-parallel group of more than one rank needs its process group")
-    _GROUP = TensorParallelGroup(rank, size, group if size > 1 else None)
+    _GROUP = TensorParallelGroup(rank, size, group if size > 1 else None, push if size > 1 else None)
 
 
 def reset_tensor_parallel_group() -> None:
@@ -51,9 +56,12 @@ def tensor_parallel_group() -> TensorParallelGroup:
 
 
 def tensor_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum `x` over the tensor-parallel group, in place; the identity for a single rank."""
+    """Sum `x` over the tensor-parallel group, in place; the identity for a single rank. Small
+    tensors take the push all-reduce where there is one (models/push_all_reduce.py)."""
     if _GROUP.size == 1:
         return x
+    if _GROUP.push is not None and _GROUP.push.usable(x):
+        return _GROUP.push.all_reduce_(x)
     import torch.distributed as dist
     dist.all_reduce(x, group=_GROUP.group)
     return x

@@ -24,8 +24,9 @@
 #   replay      PIECEWISE replay variants (step graph vs the Python layer loop) in one process
 #   addresses   host cost of the debug address check
 #   profile     kernels and host functions of a FULL decode step (SmolLM2, Llama-3.2-1B; bs 1)
-#   pp          the multi-GPU tests (pipeline and tensor parallel; two GPUs) and the Llama-3-8B
-#               shape's FULL decode step at batch 1 and 32, TP=1 against TP=2
+#   pp          the multi-GPU tests (pipeline, tensor parallel, push all-reduce; two GPUs) and the Llama-3-8B
+#               shape's FULL decode step at batch 1 and 32, TP=1 against TP=2 (NCCL all-reduces), then
+#               the push all-reduce against NCCL in a graph, and TP=2 with it (batch 1, 16, 32)
 #   all         tests bench decode-hf attention throughput capture replay addresses
 # Raw output goes to DIR (--out, else $OUT, else bench-results/gpu-suite): suite.log holds every
 # step's output, DIR/<step>/ its JSON and plots. Printed last: each step's exit code and time, then
@@ -37,7 +38,7 @@ STAGES=()
 while (($#)); do
   case $1 in
     --out) OUT_DIR=$2; shift 2 ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) STAGES+=("$1"); shift ;;
   esac
 done
@@ -162,9 +163,13 @@ for stage in "${STAGES[@]}"; do
       ;;
     pp)
       step pp-tests 300 python3 -m pytest -q -p no:cacheprovider -m "cuda or multigpu" -rA tests/test_pipeline.py \
-        tests/test_tensor_parallel.py
+        tests/test_tensor_parallel.py tests/test_push_all_reduce.py
       step tp-decode 240 "${BENCH[@]}" decode --shapes llama-3-8b --modes FULL --batch-sizes 1 32 \
         --tensor-parallel-size 1 2 --no-hf --no-plot --out "$OUT_DIR/tp-decode"
+      step all-reduce 120 "${BENCH[@]}" all_reduce --out "$OUT_DIR/all-reduce"
+      step tp-decode-push 180 env GRAPHRUNNER_PUSH_ALL_REDUCE_MAX_BYTES=131072 "${BENCH[@]}" decode \
+        --shapes llama-3-8b --modes FULL --batch-sizes 1 16 32 --tensor-parallel-size 2 --no-hf --no-plot \
+        --out "$OUT_DIR/tp-decode-push"
       ;;
   esac
 done

@@ -33,6 +33,7 @@ from checkpoints import hf_greedy_generate, make_tiny_checkpoint
 from model_helpers import generated_tokens, process_alive
 from tp_consensus_rank import consensus_rank
 from configs import CUDAGraphMode, EngineConfig, SamplingParams
+from models.parallel_state import tensor_parallel_group
 from runner import LLM
 from runner.cudagraph import BatchDescriptor
 from runner.cudagraph.consensus import agree_graph_plan
@@ -472,9 +473,10 @@ def test_multigpu_tp2_matches_tp1_in_graph_modes(tmp_path, mode):
                    max_num_seqs=16, max_num_batched_tokens=64, num_kv_blocks=256, debug_cudagraph_addresses=True)
     with LLM(model=str(path), **options) as llm:
         single = generated_tokens(llm, prompts, GREEDY) + generated_tokens(llm, prompts[:3], GREEDY)
-    with LLM(model=str(path), tensor_parallel_size=2, **options) as llm:
+    with LLM(model=str(path), tensor_parallel_size=2, push_all_reduce_max_bytes=128 << 10, **options) as llm:
         runner = llm.engine.model_runner
         assert runner.cuda_graph_ready and runner.model.num_local_kv_heads == 1
+        assert tensor_parallel_group().push is not None   # every all-reduce here: the push kernel
         parallel = generated_tokens(llm, prompts, GREEDY) + generated_tokens(llm, prompts[:3], GREEDY)
         assert sum(w.num_replays for w in (runner.full, runner.piecewise) if w is not None) > 0
         assert runner.steps_by_mode["FULL"] > 0

@@ -1,7 +1,7 @@
 """Where one decode step's GPU time goes: the kernels of a replayed step, from the profiler.
 
     graphrunner bench profile_step [--shape smollm2-135m] [--mode FULL] [--batch-size 1] [--steps 10]
-        [--prompt-len 128] [--top 25] [--host-profile]
+        [--prompt-len 128] [--top 25] [--host-profile] [--tensor-parallel-size 1]
 
 Builds the engine (dummy bf16 weights of the shape, graphs captured for --batch-size only), lets
 B requests reach decode, then records --steps decode steps with torch.profiler (CUDA activity:
@@ -10,6 +10,8 @@ of kernel times (GPU busy), the GPU idle time in short gaps between kernels (lau
 step: what a small model's replayed step is made of besides kernels), and the top kernels by time
 with their count per step. --host-profile also runs the same steps under cProfile and prints the
 host functions by own time per step (what PIECEWISE's eager attention and a step's Python cost).
+With --tensor-parallel-size N the engine spawns ranks 1..N-1 and the kernels are rank 0's (its
+all-reduces included: NCCL's, or the push all-reduce's with ParallelConfig.push_all_reduce_max_bytes).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--host-profile", action="store_true")
     parser.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     args = parser.parse_args(argv)
     from configs import SamplingParams
     from runner import LLM
@@ -68,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(model=str(path), load_format="dummy", dtype="bfloat16", cudagraph_mode=args.mode,
                   cudagraph_capture_sizes=[args.batch_size], max_num_seqs=args.batch_size,
                   max_model_len=args.prompt_len + args.steps + 64, gpu_memory_utilization=0.3, seed=0,
+                  tensor_parallel_size=args.tensor_parallel_size,
                   async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
         engine = llm.engine
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.steps + 32)

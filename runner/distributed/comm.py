@@ -20,13 +20,17 @@ Groups (docs/PARALLEL.md, "Process groups"):
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from models.push_all_reduce import PushAllReduce
 from runner.distributed.topology import Topology
+
+logger = logging.getLogger(__name__)
 
 NO_TIMEOUT = datetime.timedelta(days=365)
 
@@ -165,6 +169,71 @@ def all_gather_objects(value, groups: DistributedGroups) -> list:
     values = [None] * groups.world_size
     dist.all_gather_object(values, value, group=groups.control_group)
     return values
+
+
+def _allocate_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    torch.cuda.synchronize(device)   # zeroed before any peer can map it and push
+    return buffer
+
+
+_IPC_DEVICE_ARG = 6
+"""Where torch.multiprocessing.reductions.rebuild_cuda_tensor takes the device to open a CUDA IPC
+handle on (after tensor_cls, size, stride, offset, storage_cls, dtype). The owner's device would
+make each rank create a CUDA context on its peers' GPUs (memory they count on) and fail where a rank
+sees only its own GPU; opened on this rank's GPU, the peer's memory is reached over NVLink."""
+
+
+def _exchange_buffers(buffer: torch.Tensor, groups: DistributedGroups) -> list[torch.Tensor]:
+    """Every rank of this rank's TP group's buffer, in TP rank order, mapped into this process: its
+    own, and the others' opened through CUDA IPC (collective over the world: each rank's handle
+    goes to every rank through the control group). Not torch's symmetric memory: that keeps each
+    group's store in a process-wide table by group name, and group names repeat when a process
+    builds a second engine, so its rendezvous would wait on the first engine's store."""
+    from torch.multiprocessing.reductions import reduce_tensor
+    handles = all_gather_objects(reduce_tensor(buffer), groups)
+    mapped = []
+    for rank in groups.topology.tp_group_ranks(groups.stage):
+        if rank == groups.rank:
+            mapped.append(buffer)
+        else:
+            rebuild, args = handles[rank]   # torch.multiprocessing's rebuild_cuda_tensor and its arguments
+            args = list(args)
+            args[_IPC_DEVICE_ARG] = buffer.device.index   # open it in this GPU's context: peer access
+            mapped.append(rebuild(*args))
+    return mapped
+
+
+def push_all_reduce(max_bytes: int, device: torch.device, groups: DistributedGroups) -> PushAllReduce | None:
+    """This rank's push all-reduce for its TP group's small all-reduces (models/push_all_reduce.py),
+    or None: NCCL does them all. Only for CUDA tensor parallelism with `max_bytes` > 0. Collective
+    over the world: every rank allocates its zeroed buffer, all agree that every allocation
+    succeeded (else every rank keeps NCCL, with a warning naming the error, instead of one rank
+    waiting in an exchange the others skip), the buffers are mapped into every rank of their TP
+    group, and no rank returns before every buffer is zeroed and mapped (no word from before may
+    carry a tag the first calls expect)."""
+    if device.type != "cuda" or groups.tp_group is None or max_bytes <= 0:
+        return None
+    try:
+        nbytes = PushAllReduce.buffer_bytes(max_bytes, groups.topology.tp_size)
+        buffer, error = _allocate_buffer(nbytes, device), None
+    except Exception as caught:  # noqa: BLE001 - out of memory: NCCL does every all-reduce
+        buffer, error = None, caught
+    if all_reduce_min(int(buffer is not None), groups) == 0:
+        if error is not None:
+            logger.warning("push all-reduce unavailable on rank %d (%s); NCCL does every all-reduce",
+                           groups.rank, error)
+        return None
+    try:
+        buffers, error = _exchange_buffers(buffer, groups), None
+    except Exception as caught:  # noqa: BLE001 - no CUDA IPC between these GPUs
+        buffers, error = None, caught
+    if all_reduce_min(int(buffers is not None), groups) == 0:   # also the barrier
+        if error is not None:
+            logger.warning("push all-reduce unavailable on rank %d (%s); NCCL does every all-reduce",
+                           groups.rank, error)
+        return None
+    return PushAllReduce(buffers, groups.tp_rank, max_bytes)
 
 
 class Agreement:

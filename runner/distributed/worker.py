@@ -23,8 +23,8 @@ from configs import EngineConfig
 from models.hf_config import ModelSpec
 from models.parallel_state import reset_tensor_parallel_group, set_tensor_parallel_group
 from runner.distributed.comm import (PEER_LOSS_MARKERS, Agreement, DistributedGroups, broadcast_message, destroy_groups,
-                                     init_groups, recv_tensors_into, send_message, send_tensors, set_distributed_env,
-                                     warm_up_communicators)
+                                     init_groups, push_all_reduce, recv_tensors_into, send_message, send_tensors,
+                                     set_distributed_env, warm_up_communicators)
 from runner.distributed.topology import Topology
 from runner.executor import start_model_runner
 from runner.model_runner import ModelRunner
@@ -45,8 +45,10 @@ def start_rank(config: EngineConfig, spec: ModelSpec, model_path: str, device: t
     """The warm-up contract on this rank, in lock-step with the others: declare the TP group
     (before the model is built: models/ read it), agree on the graph plan, load, profile without
     a KV cache, agree on the smallest block count, allocate exactly that, capture, agree that
-    every rank's graphs are ready. Returns (runner, agreed block count)."""
-    set_tensor_parallel_group(groups.tp_rank, groups.topology.tp_size, groups.tp_group)
+    every rank's graphs are ready. Returns (runner, agreed block count). The TP group's push
+    all-reduce is set up first (collective), so the KV budget counts its buffer."""
+    push = push_all_reduce(config.parallel.push_all_reduce_max_bytes, device, groups)
+    set_tensor_parallel_group(groups.tp_rank, groups.topology.tp_size, groups.tp_group, push)
     runner = ModelRunner(config, spec, model_path, device, dtype, max_model_len, layer_range=layer_range)
     blocks = start_model_runner(runner, config, Agreement(groups))
     return runner, blocks

@@ -1,0 +1,210 @@
+"""The all-reduce of a tensor-parallel decode step in one kernel: each rank pushes its partial sums
+into every peer's buffer over NVLink (the buffers are mapped into each other's processes through
+CUDA IPC: runner/distributed/comm.push_all_reduce) and adds what the peers pushed into its own. `PushAllReduce.all_reduce_`; `tensor_parallel_all_reduce` takes it for tensors it accepts.
+
+Why not NCCL for these: a decode step of a tensor-parallel Llama-3-8B all-reduces one 8 KiB row
+twice per layer, 64 times a step at batch 1. In the replayed step NCCL's kernel takes ~6.5 us, plus
+a launch gap on each side since it is launched without programmatic dependent launch (PDL): ~17%
+of the TP=2 step (torch.profiler over rank 0's replayed steps; docs/PERFORMANCE.md, "Tensor
+parallelism"). Here the data crosses NVLink once, as stores (no round trip of loads), with no
+separate flag and no fence, and the kernel takes part in PDL like the decode kernels around it.
+
+Protocol (NCCL's "LL" idea): the tensor is read as 32-bit lanes; a rank sends each lane as one
+64-bit word (tag << 32) | lane, stored strong and single-copy atomic, so a reader that finds its
+tag in a word has that word's data. Per program j of a grid that is the same for every call:
+- tag = this program's call count (a counter in device memory, so graph replays count too; every
+  rank makes the same calls in the same order, so the tags agree across ranks), sent as 32 bits
+  that are never 0 (the buffers start zeroed);
+- words go to slot [tag % 2][this rank] of every peer's buffer;
+- the program then polls its lanes of slot [tag % 2][peer] in its own buffer until every word
+  carries the tag, and sums the ranks' values in rank order (its own from x): the same fp32 sum,
+  bit for bit, on every rank.
+Two slots suffice: a rank writes a peer's slot (parity p) again two calls later, which it reaches
+only after that peer pushed the call in between, i.e. after the peer's reads of that slot ended.
+A word left from two calls before carries another tag, so stale data is never taken for new.
+A peer that never arrives (crashed mid-step) makes the kernel trap after PEER_TIMEOUT_S, which
+surfaces as a CUDA error on this rank instead of a hang.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from launch.compile_ahead import launch
+from launch.pdl import pdl_options, wait_for_producers
+
+PROGRAMS = 32
+"""Programs of every call (fixed, whatever the size: a program's lanes and counter must mean the
+same in every call). In a CUDA graph of 32 (one-row GEMV, all-reduce) pairs on two H100s, 16, 32
+and 64 programs cost the same at 1-8 rows of 4096 bf16 (~3.6 us against NCCL's ~7 us); at 32 rows
+32 programs took 7.8 us, 16 took 9.4 and 64 7.1 (but 6.8 at 16 rows)."""
+BLOCK = 1024
+"""Lanes a program moves per iteration (4 warps, 8 a thread)."""
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+PEER_TIMEOUT_S = 600
+"""How long a program waits for a peer's words before it traps (NCCL's default watchdog time)."""
+
+
+@triton.jit
+def _store_words(ptrs, words, mask, STRONG: tl.constexpr):
+    """64-bit stores a peer polls: strong at system scope and single-copy atomic on a GPU (plain
+    stores in Triton's interpreter)."""
+    if STRONG:
+        tl.inline_asm_elementwise(
+            """{
+            .reg .pred %p;
+            setp.ne.s32 %p, $3, 0;
+            @%p st.relaxed.sys.global.b64 [$1], $2;
+            mov.u32 $0, 0;
+            }""",
+            "=r,l,l,r", args=[ptrs, words, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(ptrs, words, mask=mask)
+
+
+@triton.jit
+def _load_words(ptrs, mask, STRONG: tl.constexpr):
+    if STRONG:
+        words = tl.inline_asm_elementwise(
+            """{
+            .reg .pred %p;
+            setp.ne.s32 %p, $2, 0;
+            mov.u64 $0, 0;
+            @%p ld.relaxed.sys.global.b64 $0, [$1];
+            }""",
+            "=l,l,r", args=[ptrs, mask.to(tl.int32)], dtype=tl.int64, is_pure=False, pack=1)
+    else:
+        words = tl.load(ptrs, mask=mask, other=0, volatile=True)
+    return words
+
+
+@triton.jit
+def _nanoseconds():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _trap():
+    tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _lane_values(bits, ELEM_BITS: tl.constexpr, DTYPE: tl.constexpr):
+    """A 32-bit lane's values in fp32: (value, 0) for fp32, (low half, high half) for 16-bit types."""
+    if ELEM_BITS == 32:
+        lo = bits.to(tl.float32, bitcast=True)
+        hi = tl.zeros_like(lo)
+    else:
+        lo = (bits & 0xFFFF).to(tl.int16).to(DTYPE, bitcast=True).to(tl.float32)
+        hi = ((bits >> 16) & 0xFFFF).to(tl.int16).to(DTYPE, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _lane_bits(lo, hi, ELEM_BITS: tl.constexpr, DTYPE: tl.constexpr):
+    """The inverse of _lane_values, rounding each fp32 value to DTYPE."""
+    if ELEM_BITS == 32:
+        bits = lo.to(tl.int32, bitcast=True)
+    else:
+        lo16 = lo.to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        hi16 = hi.to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        bits = (hi16 << 16) | lo16
+    return bits
+
+
+@triton.jit
+def _push_all_reduce_kernel(x_ptr, lanes, buffer_ptrs, counter_ptr, slot_words,
+                            RANK: tl.constexpr, WORLD: tl.constexpr, ELEM_BITS: tl.constexpr,
+                            BLOCK: tl.constexpr, STRONG: tl.constexpr, TIMEOUT_NS: tl.constexpr,
+                            PDL: tl.constexpr):
+    """x (`lanes` 32-bit lanes) summed over the ranks, in place. buffer_ptrs[r]: rank r's buffer,
+    int64 words [2 slots][WORLD][slot_words]; counter_ptr: this rank's call count per program."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    dtype = x_ptr.dtype.element_ty
+    x_lanes = x_ptr.to(tl.pointer_type(tl.int32))
+    wait_for_producers(PDL)          # x is the projection's output: nothing is read before this
+    tag = tl.load(counter_ptr + pid) + 1
+    tl.store(counter_ptr + pid, tag)
+    tag32 = (tag - 1) % 0xFFFFFFFF + 1          # 1 .. 2**32 - 1: a zeroed word never matches
+    parity = tag % 2
+    for start in range(pid * BLOCK, lanes, programs * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < lanes
+        words = (tag32 << 32) | (tl.load(x_lanes + offs, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF)
+        for peer in tl.static_range(WORLD):
+            if peer != RANK:
+                peer_words = tl.load(buffer_ptrs + peer).to(tl.pointer_type(tl.int64))
+                _store_words(peer_words + ((parity * WORLD + RANK) * slot_words) + offs, words, mask, STRONG)
+
+    own_words = tl.load(buffer_ptrs + RANK).to(tl.pointer_type(tl.int64))
+    for start in range(pid * BLOCK, lanes, programs * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < lanes
+        acc_lo = tl.zeros([BLOCK], dtype=tl.float32)
+        acc_hi = tl.zeros([BLOCK], dtype=tl.float32)
+        for source in tl.static_range(WORLD):   # rank order: the same sum on every rank
+            if source == RANK:
+                bits = tl.load(x_lanes + offs, mask=mask, other=0)
+            else:
+                src = own_words + ((parity * WORLD + source) * slot_words) + offs
+                words = _load_words(src, mask, STRONG)
+                missing = tl.sum(((((words >> 32) & 0xFFFFFFFF) != tag32) & mask).to(tl.int32), axis=0)
+                if STRONG:
+                    began = _nanoseconds()
+                while missing > 0:
+                    words = _load_words(src, mask, STRONG)
+                    missing = tl.sum(((((words >> 32) & 0xFFFFFFFF) != tag32) & mask).to(tl.int32), axis=0)
+                    if STRONG:
+                        if _nanoseconds() - began > TIMEOUT_NS:
+                            _trap()
+                bits = (words & 0xFFFFFFFF).to(tl.int32)
+            lo, hi = _lane_values(bits, ELEM_BITS, dtype)
+            acc_lo += lo
+            acc_hi += hi
+        tl.store(x_lanes + offs, _lane_bits(acc_lo, acc_hi, ELEM_BITS, dtype), mask=mask)
+
+
+class PushAllReduce:
+    """One rank's side of the group: every rank's buffer mapped into this process (its own among
+    them), and its programs' call counters. `max_bytes`: the largest tensor it takes (a slot holds
+    twice that: one 64-bit word per 32-bit lane)."""
+
+    def __init__(self, buffers: list[torch.Tensor], rank: int, max_bytes: int) -> None:
+        need = self.buffer_bytes(max_bytes, len(buffers))
+        for b in buffers:
+            if b.numel() * b.element_size() < need:
+                raise ValueError(f"a buffer of {b.numel() * b.element_size()} bytes is too small for "
+                                 f"{len(buffers)} ranks of {max_bytes} bytes")
+        self.buffers = buffers   # keeps the peers' mappings open
+        self.buffer = buffers[rank]
+        self.world = len(buffers)
+        self.rank = rank
+        self.max_bytes = max_bytes
+        self.buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=self.buffer.device)
+        self.counters = torch.zeros(PROGRAMS, dtype=torch.int64, device=self.buffer.device)
+
+    @staticmethod
+    def buffer_bytes(max_bytes: int, world: int) -> int:
+        """Bytes of each rank's buffer: 2 slots x `world` ranks x a word per 4 bytes of tensor."""
+        return 2 * world * 2 * max_bytes
+
+    def usable(self, x: torch.Tensor) -> bool:
+        """Whether `x` takes this kernel: contiguous, a float dtype it is built for, whole 32-bit
+        lanes at a 4-byte offset, at most `max_bytes`. Decided from the tensor's shape, dtype and
+        layout alone, so every rank decides the same for the same call."""
+        nbytes = x.numel() * x.element_size()
+        return (x.dtype in DTYPES and x.is_contiguous() and x.device == self.buffer.device
+                and 0 < nbytes <= self.max_bytes and nbytes % 4 == 0
+                and x.storage_offset() * x.element_size() % 4 == 0)
+
+    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the group, in place (a program reads its lanes of x before it writes them)."""
+        strong = x.device.type == "cuda"
+        launch(_push_all_reduce_kernel, (PROGRAMS,), x, x.numel() * x.element_size() // 4, self.buffer_ptrs,
+               self.counters, self.max_bytes // 4, RANK=self.rank, WORLD=self.world,
+               ELEM_BITS=8 * x.element_size(), BLOCK=BLOCK, STRONG=strong, TIMEOUT_NS=PEER_TIMEOUT_S * 10**9,
+               num_warps=4, **pdl_options(x.device))
+        return x

@@ -1,0 +1,204 @@
+"""The push all-reduce of tensor parallelism on GPUs (models/push_all_reduce.py), its logic on a CPU.
+
+In Triton's interpreter, as rank 0 of two, with the peer's side played by the test: the words the
+kernel pushes into the peer's buffer (tag, slot, lanes), the sum it makes of what the peer pushed
+(rank order, rounding), the slot parity from call to call, and every dtype's lanes. Also which
+tensors take the kernel (the same decision on every rank, from the tensor alone), that the rest
+stay on NCCL, and the start-up agreement that leaves every rank on NCCL when one cannot set it up.
+The cross-GPU run against NCCL is the `multigpu` test at the end (two GPUs, spawned ranks)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from models import parallel_state
+from models.push_all_reduce import DTYPES, PushAllReduce
+from runner.distributed import comm
+from runner.distributed.topology import Topology
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_BYTES = 4096
+
+
+def _pair():
+    """Rank 0's PushAllReduce over CPU buffers, and the peer's (rank 1's) buffer as int64 words."""
+    words = PushAllReduce.buffer_bytes(MAX_BYTES, 2) // 8
+    own, peer = torch.zeros(words, dtype=torch.int64), torch.zeros(words, dtype=torch.int64)
+    return PushAllReduce([own.view(torch.uint8), peer.view(torch.uint8)], 0, MAX_BYTES), own, peer
+
+
+def _lanes(x: torch.Tensor) -> torch.Tensor:
+    """x's 32-bit lanes as int64 values in [0, 2**32)."""
+    return x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def _slot(words: torch.Tensor, parity: int, source: int, lanes: int) -> torch.Tensor:
+    slot_words = MAX_BYTES // 4
+    start = (parity * 2 + source) * slot_words
+    return words[start:start + lanes]
+
+
+@pytest.mark.skipif(not INTERPRET, reason="Triton on a CPU needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rank0_pushes_tagged_words_and_sums_the_peers_in_rank_order(dtype):
+    pytest.importorskip("triton")
+    reducer, own, peer = _pair()
+    gen = torch.Generator().manual_seed(0)
+    for call in (1, 2, 3):                  # tags 1, 2, 3: slots 1, 0, 1
+        # eighths up to 8: every sum is exact in each dtype (the interpreter rounds to bf16 by
+        # truncation, a GPU to nearest; the multigpu test checks the GPU's rounding against NCCL)
+        mine = (torch.randint(-64, 64, (3, 40), generator=gen) / 8).to(dtype)
+        theirs = (torch.randint(-64, 64, (3, 40), generator=gen) / 8).to(dtype)
+        lanes = mine.numel() * mine.element_size() // 4
+        _slot(own, call % 2, 1, lanes).copy_((call << 32) | _lanes(theirs).view(-1))   # the peer's push
+        x = mine.clone()
+        assert reducer.all_reduce_(x) is x
+        assert torch.equal(x, (mine.float() + theirs.float()).to(dtype))
+        assert torch.equal(_slot(peer, call % 2, 0, lanes), (call << 32) | _lanes(mine).view(-1))
+        assert reducer.counters.tolist() == [call] * len(reducer.counters)
+    assert not own[(MAX_BYTES // 4) * 2 * 2:].any()    # nothing written past the two slots
+
+
+def test_only_small_whole_lane_float_tensors_take_the_kernel():
+    reducer, _, _ = _pair()
+    assert reducer.usable(torch.zeros(1, MAX_BYTES // 2, dtype=torch.bfloat16))      # exactly max_bytes
+    assert reducer.usable(torch.zeros(4, 64, dtype=torch.float32))
+    assert reducer.usable(torch.zeros(2, dtype=torch.float16))
+    assert not reducer.usable(torch.zeros(1, MAX_BYTES, dtype=torch.bfloat16))      # larger
+    assert not reducer.usable(torch.zeros(3, dtype=torch.float16))                  # 6 bytes: half a lane
+    assert not reducer.usable(torch.zeros(4, dtype=torch.int32))                    # not a float type
+    assert not reducer.usable(torch.zeros(0, dtype=torch.float32))
+    assert not reducer.usable(torch.zeros(64, 8).t())                               # not contiguous
+    assert not reducer.usable(torch.zeros(9, dtype=torch.float16)[1:9])             # a 2-byte offset
+
+
+def test_a_buffer_too_small_for_the_ranks_is_refused():
+    with pytest.raises(ValueError, match="too small for 2 ranks of 4096 bytes"):
+        PushAllReduce([torch.zeros(100, dtype=torch.uint8)] * 2, 0, MAX_BYTES)
+
+
+def test_all_reduce_takes_the_kernel_for_usable_tensors_and_nccl_for_the_rest(monkeypatch):
+    calls = []
+
+    class Recording(PushAllReduce):
+        def all_reduce_(self, x):
+            calls.append(("push", tuple(x.shape)))
+            return x
+
+    reducer, _, _ = _pair()
+    recording = Recording(reducer.buffers, 0, MAX_BYTES)
+    monkeypatch.setattr(parallel_state, "_GROUP", parallel_state.TensorParallelGroup(0, 2, object(), recording))
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda x, group: calls.append(("nccl", tuple(x.shape))))
+    small, large = torch.zeros(2, 64), torch.zeros(16, 128)
+    assert parallel_state.tensor_parallel_all_reduce(small) is small
+    assert parallel_state.tensor_parallel_all_reduce(large) is large
+    assert calls == [("push", (2, 64)), ("nccl", (16, 128))]
+
+
+def _groups(tp_group=True):
+    return SimpleNamespace(rank=0, tp_rank=0, topology=SimpleNamespace(tp_size=2),
+                           tp_group=SimpleNamespace(group_name="tp-0") if tp_group else None)
+
+
+def test_setup_only_for_cuda_tensor_parallelism_with_a_budget():
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert comm.push_all_reduce(4096, cpu, _groups()) is None
+    assert comm.push_all_reduce(4096, cuda, _groups(tp_group=False)) is None
+    assert comm.push_all_reduce(0, cuda, _groups()) is None
+
+
+def _setup_with(monkeypatch, allocate, exchange, agreed: bool):
+    monkeypatch.setattr(comm, "_allocate_buffer", allocate)
+    monkeypatch.setattr(comm, "_exchange_buffers", exchange)
+    monkeypatch.setattr(comm, "all_reduce_min", lambda value, groups: value if agreed else 0)
+    return comm.push_all_reduce(64, torch.device("cuda", 0), _groups())
+
+
+@pytest.mark.parametrize("ready_everywhere", [True, False])
+def test_setup_agrees_across_ranks_before_and_after_the_exchange(monkeypatch, ready_everywhere):
+    """Each rank allocates alone; the exchange (collective) happens only if every rank could, so
+    one rank without the memory leaves every rank on NCCL instead of hanging the others; and the
+    result is used only if every rank could map its peers' buffers."""
+    buffer = torch.zeros(PushAllReduce.buffer_bytes(64, 2), dtype=torch.uint8)
+    exchanged = []
+    result = _setup_with(monkeypatch, lambda nbytes, device: buffer,
+                         lambda b, groups: exchanged.append(b) or [b, b.clone()], ready_everywhere)
+    if ready_everywhere:
+        assert result.buffer is buffer and result.max_bytes == 64 and result.world == 2 and exchanged == [buffer]
+    else:
+        assert result is None and exchanged == []
+
+
+def test_a_rank_that_cannot_allocate_says_why_and_keeps_nccl(monkeypatch, caplog):
+    def fail(nbytes, device):
+        raise RuntimeError("CUDA out of memory")
+    with caplog.at_level(logging.WARNING, logger="runner.distributed.comm"):
+        assert _setup_with(monkeypatch, fail, None, True) is None
+    assert "push all-reduce unavailable on rank 0 (CUDA out of memory)" in caplog.text
+
+
+def test_a_rank_that_cannot_map_its_peers_says_why_and_keeps_nccl(monkeypatch, caplog):
+    def fail(buffer, groups):
+        raise RuntimeError("peer access is not supported between these devices")
+    buffer = torch.zeros(PushAllReduce.buffer_bytes(64, 2), dtype=torch.uint8)
+    with caplog.at_level(logging.WARNING, logger="runner.distributed.comm"):
+        assert _setup_with(monkeypatch, lambda nbytes, device: buffer, fail, True) is None
+    assert "push all-reduce unavailable on rank 0 (peer access is not supported" in caplog.text
+
+
+def _against_nccl(rank: int, port: int, failures) -> None:
+    """Rank `rank` of two: eager calls of several sizes and dtypes equal NCCL's, and a captured
+    call replays correctly (its program counters advance in replays as in eager calls)."""
+    import datetime
+    import torch.distributed as dist
+    comm.set_distributed_env()
+    torch.cuda.set_device(rank)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=120))
+    groups = comm.init_groups("nccl", rank, Topology(tp_size=2, pp_size=1), 120.0, store)
+    try:
+        reducer = comm.push_all_reduce(1 << 20, torch.device("cuda", rank), groups)
+        assert reducer is not None
+        gen = torch.Generator(device="cuda").manual_seed(rank)
+        shapes = [((1, 4096), torch.bfloat16), ((32, 4096), torch.bfloat16), ((7, 1000), torch.float32),
+                  ((1, 4096), torch.float16), ((2,), torch.float16)]
+        for _ in range(50):
+            for shape, dtype in shapes:
+                x = torch.randn(shape, generator=gen, device="cuda").to(dtype)
+                expected = x.clone()
+                dist.all_reduce(expected, group=groups.tp_group)
+                reducer.all_reduce_(x)
+                if not torch.equal(x, expected):
+                    failures.put(f"rank {rank}: {shape} {dtype} differs from NCCL")
+                    return
+        graph = torch.cuda.CUDAGraph()
+        x = torch.ones(1, 4096, dtype=torch.bfloat16, device="cuda")
+        with torch.cuda.graph(graph):
+            reducer.all_reduce_(x)
+        for _ in range(5):
+            x.fill_(rank + 1)
+            graph.replay()
+            torch.cuda.synchronize()
+            if not torch.all(x == 3):
+                failures.put(f"rank {rank}: replay sum {x[0, 0].item()}")
+                return
+    finally:
+        comm.destroy_groups(groups)
+
+
+@pytest.mark.multigpu
+def test_multigpu_push_all_reduce_equals_nccl():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    failures = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_against_nccl, args=(port, failures), nprocs=2, start_method="spawn", join=True)
+    assert failures.empty(), failures.get()
