@@ -55,7 +55,8 @@ class GraphStartUp:
         launch: their inert batches run once through the model itself (no graph wrapper), the
         profile batch without a KV cache, each capture key in its runtime mode (so FULL's split-KV
         attention and the decode head pick the variants the capture will) against a one-block
-        scratch KV cache of the real cache's layout. The compiles then run while the block does
+        scratch KV cache of the real cache's layout; and, on the rank that samples, the eager
+        greedy argmax for every row count up to max_num_seqs (runner/greedy.queue_variants). The compiles then run while the block does
         its work: a launch of a kernel still compiling waits for that one. Leaving waits for the
         rest. A plain block on a CPU, with graphs off, or with CompilationConfig.compile_threads=0."""
         threads = compile_threads(self.config.compilation.compile_threads)
@@ -67,6 +68,10 @@ class GraphStartUp:
             if asynchronous:
                 with queuing_launches():
                     self._run_start_up_batches(self.model_forward)
+                    if self.model.model.is_last and self.tp_rank == 0:   # the sampler: the eager greedy argmax
+                        from runner import greedy
+                        greedy.queue_variants(self.max_num_reqs, self.spec.vocab_size, (self.dtype, torch.float32),
+                                              self.device)
                 self.precompile_seconds = time.perf_counter() - started
                 logger.info("queued the compiles of the start-up's kernels (%d graph shapes) on %d threads in "
                             "%.2f s", len(self.dispatcher.all_keys_to_capture()), threads, self.precompile_seconds)

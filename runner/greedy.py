@@ -105,6 +105,25 @@ def masked_argmax_rows(logits: torch.Tensor, bitmask: torch.Tensor, constrained:
     return launch(logits, num_sms(logits.device), (bitmask, constrained))
 
 
+def queue_variants(max_rows: int, vocab: int, dtypes: tuple[torch.dtype, ...], device: torch.device) -> None:
+    """Inside compile_ahead's `queuing_launches` (start-up): queue the compile of every variant
+    `argmax_rows` and `masked_argmax_rows` can launch for 1..max_rows rows of `vocab` logits in
+    `dtypes`. The row count picks the chunking, and with it pass 2's CHUNKS_PAD and Triton's
+    specialisation of `chunks`; structured output's flags may start at any 4-byte offset. The
+    eager argmax runs on the steps whose graph did not take it (mixed batches, the sampler's greedy
+    rows), so without this each new row count compiled its variant inside the serving loop."""
+    width = -(-vocab // 32)
+    bitmask = torch.empty(max_rows, width, dtype=torch.int32, device=device)
+    flags = torch.empty(max_rows + 1, dtype=torch.int32, device=device)
+    sms = num_sms(device)
+    for dtype in dtypes:
+        logits = torch.empty(max_rows, vocab, dtype=dtype, device=device)
+        for rows in range(1, max_rows + 1):
+            launch(logits[:rows], sms)
+            for constrained in (flags[:rows], flags[1:rows + 1]):   # 16-byte aligned, and not
+                launch(logits[:rows], sms, (bitmask[:rows], constrained))
+
+
 def launch(logits: torch.Tensor, sms: int, masked: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The two launches for `sms` SMs (any device: the tests run them in Triton's interpreter);
     `masked`: (bitmask, constrained rows), as `masked_argmax_rows` takes them."""

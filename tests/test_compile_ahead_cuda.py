@@ -6,7 +6,9 @@ kernels are long compiled), with a fixed KV block count: a budget from gpu_memor
 would count the memory this test process still holds. Every compile inside compile_ahead is submitted through Triton's
 AsyncCompileMode.submit, which is wrapped to record, per submit, whether launches were being
 queued then and whether the variant is new (a launch of a kernel still compiling submits again
-and gets the pending compile: "again"); Triton's cache hook, called just before, names it."""
+and gets the pending compile: "again"); Triton's cache hook, called just before, names it. After
+start-up, generating batches of several sizes compiles no greedy-argmax variant (start-up queued
+them all: runner/greedy.queue_variants); the hook lists what serving did compile."""
 
 from __future__ import annotations
 
@@ -31,9 +33,11 @@ from runner import LLM
 from triton.runtime._async_compile import AsyncCompileMode
 from launch.compile_ahead import compiling_ahead
 
-asked, naming = [], {{"name": "?"}}
+asked, naming, serving = [], {{"name": "?"}}, []
 def on_cache_miss(*args, **kwargs):
     naming["name"] = getattr(kwargs.get("fn"), "name", "?")
+    if naming.get("ready"):
+        serving.append(naming["name"])
 knobs.runtime.jit_cache_hook = on_cache_miss
 submit = AsyncCompileMode.submit
 def recording_submit(self, key, *args, **kwargs):
@@ -47,7 +51,12 @@ llm = LLM(model=str(write_config("smollm2-135m", {tmp!r})), load_format="dummy",
           compile_threads=None,   # one thread per CPU up to 16, whatever the environment says
           cache_dir={cache!r})    # Triton compiles into <cache_dir>/triton: empty here
 runner = llm.engine.model_runner
-print("COUNTS " + json.dumps({{"asked": asked, "queue_s": round(runner.precompile_seconds, 2),
+naming["ready"] = True   # from here on a compile happens inside serving
+from configs import SamplingParams
+for batch in (1, 3, 7, 2):   # mixed prefill batches: the eager greedy argmax of `batch` rows
+    llm.generate([[5 + i] * (9 + i) for i in range(batch)], SamplingParams(temperature=0.0, max_tokens=4),
+                 use_tqdm=False)
+print("COUNTS " + json.dumps({{"asked": asked, "serving": serving, "queue_s": round(runner.precompile_seconds, 2),
                               "wait_s": round(runner.compile_wait_seconds, 2),
                               "capture_s": round(runner.capture_summary.seconds, 2),
                               "graphs": runner.capture_summary.num_graphs}}))
@@ -65,4 +74,5 @@ def test_start_up_compiles_every_kernel_ahead(tmp_path):
     compiled = [(how, name) for how, new, name in result["asked"] if new == "new"]
     late = [name for how, name in compiled if how != "queued"]
     assert compiled and not late, late
+    assert not [name for name in result["serving"] if "argmax" in name], result["serving"]
     assert result["graphs"] > 60

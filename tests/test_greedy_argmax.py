@@ -73,3 +73,22 @@ def test_masked_argmax_equals_masking_then_argmax(rows, vocab, sms, dtype):
     assert torch.equal(got.cpu(), expected.argmax(dim=-1))
     if DEVICE == "cuda":
         assert torch.equal(greedy.masked_argmax_rows(x.cuda(), bitmask.cuda(), constrained.cuda()).cpu(), got.cpu())
+
+
+def test_queue_variants_launches_every_row_count_dtype_and_flag_alignment(monkeypatch):
+    """Start-up queues the eager argmax's compiles (runner/graph_start_up.py): every row count up
+    to max_num_seqs, each dtype, unmasked and masked with the flags 16-byte aligned and not, on
+    logits laid out as serving's ([rows, vocab], contiguous rows)."""
+    calls = []
+    monkeypatch.setattr(greedy, "num_sms", lambda device: 132)
+    monkeypatch.setattr(greedy, "launch", lambda logits, sms, masked=None: calls.append(
+        (logits.shape[0], logits.dtype, logits.stride(), sms,
+         None if masked is None else (masked[0].shape, masked[1].storage_offset() * 4 % 16 == 0))))
+    greedy.queue_variants(5, 1000, (torch.bfloat16, torch.float32), torch.device("cpu"))
+    assert len(calls) == 5 * 2 * 3
+    for dtype in (torch.bfloat16, torch.float32):
+        for rows in range(1, 6):
+            ours = [c for c in calls if c[0] == rows and c[1] == dtype]
+            assert all(c[2] == (1000, 1) and c[3] == 132 for c in ours)
+            assert sorted(str(c[4]) for c in ours) == sorted(
+                ["None", str((torch.Size([rows, 32]), True)), str((torch.Size([rows, 32]), False))])
