@@ -1,12 +1,14 @@
 """The all-reduce of a tensor-parallel decode step in one kernel: each rank pushes its partial sums
 into every peer's buffer over NVLink (the buffers are mapped into each other's processes through
-CUDA IPC: runner/distributed/comm.push_all_reduce) and adds what the peers pushed into its own. `PushAllReduce.all_reduce_`; `tensor_parallel_all_reduce` takes it for tensors it accepts.
+CUDA IPC: runner/distributed/comm.push_all_reduce) and adds what the peers pushed into its own.
+`PushAllReduce.all_reduce_`; `tensor_parallel_all_reduce` takes it for the tensors it accepts, when
+ParallelConfig.push_all_reduce_max_bytes is set (off by default: docs/PARALLEL.md says why).
 
 Why not NCCL for these: a decode step of a tensor-parallel Llama-3-8B all-reduces one 8 KiB row
 twice per layer, 64 times a step at batch 1. In the replayed step NCCL's kernel takes ~6.5 us, plus
 a launch gap on each side since it is launched without programmatic dependent launch (PDL): ~17%
-of the TP=2 step (torch.profiler over rank 0's replayed steps; docs/PERFORMANCE.md, "Tensor
-parallelism"). Here the data crosses NVLink once, as stores (no round trip of loads), with no
+of the TP=2 step (`graphrunner bench profile_step --shape llama-3-8b --tensor-parallel-size 2`;
+docs/PERFORMANCE.md, "Tensor parallelism"). Here the data crosses NVLink once, as stores (no round trip of loads), with no
 separate flag and no fence, and the kernel takes part in PDL like the decode kernels around it.
 
 Protocol (NCCL's "LL" idea): the tensor is read as 32-bit lanes; a rank sends each lane as one
@@ -37,9 +39,9 @@ from launch.pdl import pdl_options, wait_for_producers
 
 PROGRAMS = 32
 """Programs of every call (fixed, whatever the size: a program's lanes and counter must mean the
-same in every call). In a CUDA graph of 32 (one-row GEMV, all-reduce) pairs on two H100s, 16, 32
-and 64 programs cost the same at 1-8 rows of 4096 bf16 (~3.6 us against NCCL's ~7 us); at 32 rows
-32 programs took 7.8 us, 16 took 9.4 and 64 7.1 (but 6.8 at 16 rows)."""
+same in every call). In `graphrunner bench all_reduce`'s graph on two H100s, 16, 32 and 64 programs
+cost the same at 1-8 rows of 4096 bf16 (~3.6 us, NCCL ~7 us); 32 was the best of the three over
+16 and 32 rows (5.1 / 7.8 us; 16 programs 5.9 / 9.4, 64 programs 6.8 / 7.1)."""
 BLOCK = 1024
 """Lanes a program moves per iteration (4 warps, 8 a thread)."""
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

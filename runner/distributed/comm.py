@@ -219,21 +219,25 @@ def push_all_reduce(max_bytes: int, device: torch.device, groups: DistributedGro
         buffer, error = _allocate_buffer(nbytes, device), None
     except Exception as caught:  # noqa: BLE001 - out of memory: NCCL does every all-reduce
         buffer, error = None, caught
-    if all_reduce_min(int(buffer is not None), groups) == 0:
-        if error is not None:
-            logger.warning("push all-reduce unavailable on rank %d (%s); NCCL does every all-reduce",
-                           groups.rank, error)
+    if not _every_rank_could(buffer is not None, error, groups):
         return None
     try:
         buffers, error = _exchange_buffers(buffer, groups), None
     except Exception as caught:  # noqa: BLE001 - no CUDA IPC between these GPUs
         buffers, error = None, caught
-    if all_reduce_min(int(buffers is not None), groups) == 0:   # also the barrier
-        if error is not None:
-            logger.warning("push all-reduce unavailable on rank %d (%s); NCCL does every all-reduce",
-                           groups.rank, error)
+    if not _every_rank_could(buffers is not None, error, groups):   # also the barrier
         return None
     return PushAllReduce(buffers, groups.tp_rank, max_bytes)
+
+
+def _every_rank_could(done: bool, error: Exception | None, groups: DistributedGroups) -> bool:
+    """Whether every rank did a step of `push_all_reduce` (collective); a rank that could not
+    says why."""
+    if all_reduce_min(int(done), groups) == 1:
+        return True
+    if error is not None:
+        logger.warning("push all-reduce unavailable on rank %d (%s); NCCL does every all-reduce", groups.rank, error)
+    return False
 
 
 class Agreement:
