@@ -8,8 +8,9 @@ Why not NCCL for these: a decode step of a tensor-parallel Llama-3-8B all-reduce
 twice per layer, 64 times a step at batch 1. In the replayed step NCCL's kernel takes ~6.5 us, plus
 a launch gap on each side since it is launched without programmatic dependent launch (PDL): ~17%
 of the TP=2 step (`graphrunner bench profile_step --shape llama-3-8b --tensor-parallel-size 2`;
-docs/PERFORMANCE.md, "Tensor parallelism"). Here the data crosses NVLink once, as stores (no round trip of loads), with no
-separate flag and no fence, and the kernel takes part in PDL like the decode kernels around it.
+docs/PERFORMANCE.md, "Tensor parallelism"). Here the data crosses NVLink once, as stores (no round
+trip of loads), with no separate flag and no fence, and the kernel takes part in PDL like the
+decode kernels around it.
 
 Protocol (NCCL's "LL" idea): the tensor is read as 32-bit lanes; a rank sends each lane as one
 64-bit word (tag << 32) | lane, stored strong and single-copy atomic, so a reader that finds its
