@@ -14,10 +14,12 @@ torch.distributed at all (size 1: every collective is the identity).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from models.push_all_reduce import PushAllReduce
+if TYPE_CHECKING:   # the kernel's module imports Triton, which a CPU engine never loads
+    from models.push_all_reduce import PushAllReduce
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from models import parallel_state
-from models.push_all_reduce import DTYPES, PushAllReduce
-from runner.distributed import comm
-from runner.distributed.topology import Topology
+pytest.importorskip("triton")
+
+from models import parallel_state  # noqa: E402
+from models.push_all_reduce import DTYPES, PushAllReduce  # noqa: E402
+from runner.distributed import comm  # noqa: E402
+from runner.distributed.topology import Topology  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_BYTES = 4096

@@ -23,12 +23,15 @@ import datetime
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from models.push_all_reduce import PushAllReduce
 from runner.distributed.topology import Topology
+
+if TYPE_CHECKING:   # the kernel's module imports Triton: only a GPU engine with the push all-reduce loads it
+    from models.push_all_reduce import PushAllReduce
 
 logger = logging.getLogger(__name__)
 
@@ -214,6 +217,7 @@ def push_all_reduce(max_bytes: int, device: torch.device, groups: DistributedGro
     carry a tag the first calls expect)."""
     if device.type != "cuda" or groups.tp_group is None or max_bytes <= 0:
         return None
+    from models.push_all_reduce import PushAllReduce
     try:
         nbytes = PushAllReduce.buffer_bytes(max_bytes, groups.topology.tp_size)
         buffer, error = _allocate_buffer(nbytes, device), None
