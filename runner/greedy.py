@@ -116,8 +116,9 @@ def queue_variants(max_rows: int, vocab: int, dtypes: tuple[torch.dtype, ...], d
     bitmask = torch.empty(max_rows, width, dtype=torch.int32, device=device)
     flags = torch.empty(max_rows + 1, dtype=torch.int32, device=device)
     sms = num_sms(device)
-    for dtype in dtypes:
-        logits = torch.empty(max_rows, vocab, dtype=dtype, device=device)
+    storage = torch.empty(max_rows * vocab * max(d.itemsize for d in dtypes), dtype=torch.uint8, device=device)
+    for dtype in dtypes:   # one allocation for all dtypes: contiguous [rows, vocab] views of it
+        logits = storage[:max_rows * vocab * dtype.itemsize].view(dtype).view(max_rows, vocab)
         for rows in range(1, max_rows + 1):
             launch(logits[:rows], sms)
             for constrained in (flags[:rows], flags[1:rows + 1]):   # 16-byte aligned, and not
