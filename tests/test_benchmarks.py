@@ -222,6 +222,16 @@ def test_gemv_configs_bench_cpu_smoke(tmp_path):
     assert json.loads(out.read_text())["rows"] == rows
 
 
+def test_gemv_configs_weights_are_one_ranks_shards_under_tensor_parallelism():
+    """`--tensor-parallel-size 2`: the Llama-3-8B shards a TP=2 rank streams (8 KV heads split 4 / 4)."""
+    from runner.benchmarks.gemv_configs import weights_of
+    whole, shard = weights_of("llama-3-8b"), weights_of("llama-3-8b", 2)
+    assert whole == {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+                     "lm_head": (128256, 4096)}
+    assert shard == {"qkv": (3072, 4096), "o": (4096, 2048), "gate_up": (14336, 4096), "down": (4096, 7168),
+                     "lm_head": (64128, 4096)}
+
+
 def test_break_replay_bench_switches_every_graph_between_variants(capsys):
     """The A/B of `graphrunner bench break_replay` on fake graphs: prepared calls are the records'
     replays where they have one; generic calls are the ops on the recorded inputs; only "fast"

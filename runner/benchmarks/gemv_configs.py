@@ -1,6 +1,7 @@
 """One decode row's GEMVs: tile configurations of the small-batch kernel against cuBLAS and the copy bandwidth.
 
-    graphrunner bench gemv_configs [--shapes smollm2-135m llama-3.2-1b llama-3-8b] [--out DIR]
+    graphrunner bench gemv_configs [--shapes smollm2-135m llama-3.2-1b llama-3-8b] [--tensor-parallel-size 1]
+        [--out DIR]
     graphrunner bench gemv_configs --device cpu --shapes tiny --configs 2   # smoke (TRITON_INTERPRET=1)
 
 Why: at one row a decode step is a chain of GEMVs whose time is their weight bytes over HBM
@@ -10,7 +11,10 @@ for every weight of a layer and the LM head, x [1, K] @ W[N, K].T through `small
 with each (BLOCK_N, BLOCK_K, num_warps, num_stages) of CONFIGS, next to F.linear (cuBLAS) and the
 device-to-device copy bandwidth of the same run, and prints GB/s (weight bytes / time) for each:
 the data that picks block_sizes' rule. Timing as bench_linear: calls captured into one CUDA graph,
-each reading its own weight copy (cold, from HBM), median of the replays.
+each reading its own weight copy (cold, from HBM), median of the replays. --tensor-parallel-size N
+times one rank's shards instead (models/parallel_state.py's split: q heads and MLP columns 1/N,
+KV heads 1/N or one replicated, o_proj and down_proj inputs 1/N, the LM head's padded row block):
+the half-size weights a TP=2 decode step streams, where a kernel's fixed costs weigh twice as much.
 """
 
 from __future__ import annotations
@@ -34,13 +38,17 @@ CONFIGS = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 ]
 
 
-def weights_of(shape: str) -> dict[str, tuple[int, int]]:
-    """(N, K) of one layer's projections and the LM head."""
+def weights_of(shape: str, tp_size: int = 1) -> dict[str, tuple[int, int]]:
+    """(N, K) of one layer's projections and the LM head, as one of `tp_size` ranks holds them."""
+    from models.parallel_state import padded_vocab_size, shard_heads, shard_size
     d = shape_dims(shape)
     vocab = SHAPES[shape]["vocab_size"] if shape in SHAPES else 256
-    return {"qkv": (d["q"] + 2 * d["kv"], d["hidden"]), "o": (d["hidden"], d["q"]),
-            "gate_up": (2 * d["intermediate"], d["hidden"]), "down": (d["hidden"], d["intermediate"]),
-            "lm_head": (vocab, d["hidden"])}
+    heads = shard_heads(d["heads"], d["kv_heads"], tp_size, 0)
+    q, kv = heads.num_heads * d["head_dim"], heads.num_kv_heads * d["head_dim"]
+    intermediate = shard_size(d["intermediate"], tp_size, "intermediate_size")
+    return {"qkv": (q + 2 * kv, d["hidden"]), "o": (d["hidden"], q),
+            "gate_up": (2 * intermediate, d["hidden"]), "down": (d["hidden"], intermediate),
+            "lm_head": (padded_vocab_size(vocab, tp_size) // tp_size, d["hidden"])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,6 +66,7 @@ def run(argv: list[str] | None = None) -> dict:
     parser.add_argument("--configs", type=int, default=len(CONFIGS), help="the first N of CONFIGS")
     parser.add_argument("--repeats", type=int, default=50, help="calls captured into one graph")
     parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="time one rank's shards of each weight")
     add_out_argument(parser)
     args = parser.parse_args(argv)
 
@@ -72,10 +81,12 @@ def run(argv: list[str] | None = None) -> dict:
     configs = CONFIGS[:args.configs]
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)"
     copy = copy_bandwidth(device) / 1e9 if device.type == "cuda" else float("nan")
-    print(f"{name}: {args.dtype}, one row, copy bandwidth {copy:.0f} GB/s", flush=True)
+    tp = args.tensor_parallel_size
+    print(f"{name}: {args.dtype}, one row, copy bandwidth {copy:.0f} GB/s"
+          + (f", one rank's shards at tensor_parallel_size {tp}" if tp > 1 else ""), flush=True)
     rows = []
     for shape in args.shapes:
-        for proj, (n, k) in weights_of(shape).items():
+        for proj, (n, k) in weights_of(shape, tp).items():
             nbytes = n * k * elem
             copies = min(args.repeats, max(1, math.ceil(COLD_BYTES / nbytes)))
             torch.manual_seed(0)
@@ -105,7 +116,7 @@ def run(argv: list[str] | None = None) -> dict:
             del weights
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    result = dict(device=name, dtype=args.dtype, copy_gbps=copy, rows=rows)
+    result = dict(device=name, dtype=args.dtype, copy_gbps=copy, tensor_parallel_size=tp, rows=rows)
     write_json(args.out, "gemv_configs.json", result)
     return result
 
