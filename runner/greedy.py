@@ -108,31 +108,45 @@ def masked_argmax_rows(logits: torch.Tensor, bitmask: torch.Tensor, constrained:
 def queue_variants(max_rows: int, vocab: int, dtypes: tuple[torch.dtype, ...], device: torch.device) -> None:
     """Inside compile_ahead's `queuing_launches` (start-up): queue the compile of every variant
     `argmax_rows` and `masked_argmax_rows` can launch for 1..max_rows rows of `vocab` logits in
-    `dtypes`. The row count picks the chunking, and with it pass 2's CHUNKS_PAD and Triton's
-    specialisation of `chunks`; structured output's flags may start at any 4-byte offset. The
-    eager argmax runs on the steps whose graph did not take it (mixed batches, the sampler's greedy
-    rows), so without this each new row count compiled its variant inside the serving loop."""
+    `dtypes`. The eager argmax runs on the steps whose graph did not take it (mixed batches, the
+    sampler's greedy rows), so without this each new row count compiled its variant inside the
+    serving loop. What a row count changes (`variant_key`): the chunk count (pass 2's CHUNKS_PAD
+    and Triton's specialisation of `chunks`) and the alignment of the scratch's index half; so one
+    row count per key is queued, and structured output's flags at an aligned and a 4-byte offset."""
     width = -(-vocab // 32)
     bitmask = torch.empty(max_rows, width, dtype=torch.int32, device=device)
     flags = torch.empty(max_rows + 1, dtype=torch.int32, device=device)
     sms = num_sms(device)
+    row_counts = list({variant_key(rows, vocab, sms): rows for rows in range(max_rows, 0, -1)}.values())
     storage = torch.empty(max_rows * vocab * max(d.itemsize for d in dtypes), dtype=torch.uint8, device=device)
     for dtype in dtypes:   # one allocation for all dtypes: contiguous [rows, vocab] views of it
         logits = storage[:max_rows * vocab * dtype.itemsize].view(dtype).view(max_rows, vocab)
-        for rows in range(1, max_rows + 1):
+        for rows in row_counts:
             launch(logits[:rows], sms)
             for constrained in (flags[:rows], flags[1:rows + 1]):   # 16-byte aligned, and not
                 launch(logits[:rows], sms, (bitmask[:rows], constrained))
+
+
+def chunking(rows: int, vocab: int, sms: int) -> tuple[int, int]:
+    """(chunks per row, chunk length): `num_chunks`, each chunk whole BLOCKs (none starts mid-block)."""
+    chunk_len = -(-vocab // num_chunks(rows, vocab, sms))
+    chunk_len = -(-chunk_len // BLOCK) * BLOCK
+    return -(-vocab // chunk_len), chunk_len
+
+
+def variant_key(rows: int, vocab: int, sms: int) -> tuple[int, bool]:
+    """What decides the compiled variants of a launch for `rows` rows besides the dtypes and the
+    mask: the chunk count, and whether the scratch's index half (after rows x chunks fp32 values)
+    starts 16-byte aligned."""
+    chunks, _ = chunking(rows, vocab, sms)
+    return chunks, rows * chunks % 4 == 0
 
 
 def launch(logits: torch.Tensor, sms: int, masked: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The two launches for `sms` SMs (any device: the tests run them in Triton's interpreter);
     `masked`: (bitmask, constrained rows), as `masked_argmax_rows` takes them."""
     rows, vocab = logits.shape
-    chunks = num_chunks(rows, vocab, sms)
-    chunk_len = -(-vocab // chunks)
-    chunk_len = -(-chunk_len // BLOCK) * BLOCK      # whole BLOCKs: no chunk starts mid-block
-    chunks = -(-vocab // chunk_len)
+    chunks, chunk_len = chunking(rows, vocab, sms)
     scratch = torch.empty(2, rows * chunks, dtype=torch.float32, device=logits.device)
     vals, idxs = scratch[0], scratch[1].view(torch.int32)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)

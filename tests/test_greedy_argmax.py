@@ -75,20 +75,32 @@ def test_masked_argmax_equals_masking_then_argmax(rows, vocab, sms, dtype):
         assert torch.equal(greedy.masked_argmax_rows(x.cuda(), bitmask.cuda(), constrained.cuda()).cpu(), got.cpu())
 
 
-def test_queue_variants_launches_every_row_count_dtype_and_flag_alignment(monkeypatch):
-    """Start-up queues the eager argmax's compiles (runner/graph_start_up.py): every row count up
-    to max_num_seqs, each dtype, unmasked and masked with the flags 16-byte aligned and not, on
-    logits laid out as serving's ([rows, vocab], contiguous rows)."""
+def test_queue_variants_covers_every_row_counts_variant(monkeypatch):
+    """Start-up queues the eager argmax's compiles (runner/graph_start_up.py): for every row count up
+    to max_num_seqs a launch of the same variant key (chunk count, scratch alignment), each dtype,
+    unmasked and masked with the flags 16-byte aligned and not, on logits laid out as serving's."""
     calls = []
     monkeypatch.setattr(greedy, "num_sms", lambda device: 132)
     monkeypatch.setattr(greedy, "launch", lambda logits, sms, masked=None: calls.append(
         (logits.shape[0], logits.dtype, logits.stride(), sms,
          None if masked is None else (masked[0].shape, masked[1].storage_offset() * 4 % 16 == 0))))
-    greedy.queue_variants(5, 1000, (torch.bfloat16, torch.float32), torch.device("cpu"))
-    assert len(calls) == 5 * 2 * 3
+    vocab = 50000
+    greedy.queue_variants(300, vocab, (torch.bfloat16, torch.float32), torch.device("cpu"))
+    launched = {c[0] for c in calls}
+    keys = {greedy.variant_key(rows, vocab, 132) for rows in launched}
+    assert len(launched) == len(keys) < 300                                  # one row count per key
+    assert all(greedy.variant_key(rows, vocab, 132) in keys for rows in range(1, 301))
     for dtype in (torch.bfloat16, torch.float32):
-        for rows in range(1, 6):
+        for rows in launched:
             ours = [c for c in calls if c[0] == rows and c[1] == dtype]
-            assert all(c[2] == (1000, 1) and c[3] == 132 for c in ours)
+            assert all(c[2] == (vocab, 1) and c[3] == 132 for c in ours)
             assert sorted(str(c[4]) for c in ours) == sorted(
-                ["None", str((torch.Size([rows, 32]), True)), str((torch.Size([rows, 32]), False))])
+                ["None", str((torch.Size([rows, 1563]), True)), str((torch.Size([rows, 1563]), False))])
+
+
+def test_variant_key_follows_the_launch():
+    """The key's chunk count is the one `launch` uses (its scratch holds rows x chunks values)."""
+    for rows, vocab, sms in [(1, 128256, 132), (7, 50000, 132), (64, 1000, 8), (300, 49152, 132)]:
+        chunks, chunk_len = greedy.chunking(rows, vocab, sms)
+        assert chunk_len % greedy.BLOCK == 0 and (chunks - 1) * chunk_len < vocab <= chunks * chunk_len
+        assert greedy.variant_key(rows, vocab, sms) == (chunks, rows * chunks % 4 == 0)
