@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from configs import EngineConfig, SamplingParams
+from configs import EngineConfig, RequestOutputKind, SamplingParams
 from models.hf_config import load_hf_config, model_spec, resolve_max_model_len
 from runner.detokenizer import IncrementalDetokenizer
 from runner.outputs import CompletionOutput, PendingOutput, RequestMetrics, RequestOutput
 from runner.platform import resolve_device, resolve_dtype
 from runner.request import Request, RequestStatus
-from runner.request_state import ParentRequest, RequestState, completion_output, request_output
+from runner.request_state import ParentRequest, RequestState, completion_fields, request_output, wire_output
 from runner.sampling.bad_words import bad_words_token_ids
 from runner.scheduler import Scheduler
 from runner.tokenizer import load_tokenizer
@@ -128,6 +128,9 @@ class LLMEngine:
         """The launched step whose tokens the next step() applies (async scheduling)."""
         self._undelivered: list[RequestOutput] = []
         """Outputs of an applied step that a failing launch kept from being returned; the next step() returns them."""
+        self.wire_outputs = False
+        """The engine process sets it: step() then returns a DELTA request without a parent as the wire
+        tuple (request_state.wire_output) instead of a RequestOutput; everything else stays objects."""
         self._structured = None
         """Structured output: the StructuredOutputManager, made for the first request with a constraint."""
 
@@ -217,7 +220,7 @@ class LLMEngine:
         result.grammar_errors = structured.accept(result.sampled)
         result.grammar_terminated = frozenset(structured.terminated.intersection(result.sampled))
 
-    def _accept_structured(self, result) -> list[tuple[RequestState, CompletionOutput | None]]:
+    def _accept_structured(self, result) -> list[tuple[RequestState, tuple | None]]:
         """Advance each structured request's matcher by its token (unless `_accept_early` did); a
         refused token fails that request alone (the token is dropped: the scheduler then skips the
         finished request)."""
@@ -333,7 +336,7 @@ class LLMEngine:
             return None
         del self._tracked[request_id]
         self.scheduler.abort_request(request_id)
-        return request_output(tracked, self._finish_tracked(tracked))
+        return request_output(tracked, CompletionOutput(*self._finish_tracked(tracked)))
 
     def has_unfinished_requests(self) -> bool:
         """Requests to serve, or a step in flight whose outputs the next step() returns."""
@@ -388,7 +391,7 @@ class LLMEngine:
         strings and output (`_advance`); an error there fails that request alone."""
         now = time.monotonic()
         structured = self._structured if self._structured is not None and self._structured.active else None
-        finished: list[tuple[RequestState, CompletionOutput | None]] = (
+        finished: list[tuple[RequestState, tuple | None]] = (
             [] if structured is None else self._accept_structured(result))
         for request_id, entries in getattr(result, "prompt_logprobs", {}).items():
             tracked = self._tracked.get(request_id)
@@ -506,15 +509,21 @@ class LLMEngine:
     def _fail_all(self, failed: list[RequestState], message: str) -> list[RequestOutput]:
         return self._collect([(tracked, self._fail(tracked, message)) for tracked in failed])
 
-    def _collect(self, changed: list[tuple[RequestState, CompletionOutput | None]]) -> list[RequestOutput]:
-        """The step's RequestOutputs from its requests' completions: one per request, and one per
-        parent (`n` > 1) merging its children's; None completions (nothing to show) are left out."""
+    def _collect(self, changed: list[tuple[RequestState, tuple | None]]) -> list[RequestOutput]:
+        """The step's outputs from its requests' completions (`completion_fields`): one per
+        request, and one per parent (`n` > 1) merging its children's; None completions (nothing to
+        show) are left out. With `wire_outputs`, a DELTA request without a parent gives its wire tuple."""
         outputs, parents = [], {}
-        for tracked, completion in changed:
+        wire = self.wire_outputs
+        for tracked, fields in changed:
             if tracked.parent is not None:
+                completion = None if fields is None else CompletionOutput(*fields)
                 parents.setdefault(tracked.parent.request_id, []).append((tracked, completion))
-            elif completion is not None:
-                outputs.append(request_output(tracked, completion))
+            elif fields is not None:
+                if wire and tracked.request.sampling_params.output_kind is RequestOutputKind.DELTA:
+                    outputs.append(wire_output(tracked, fields))
+                else:
+                    outputs.append(request_output(tracked, CompletionOutput(*fields)))
         for parent_id, children in parents.items():
             parent = self._parents[parent_id]
             output = parent.merge(children)
@@ -524,7 +533,7 @@ class LLMEngine:
                 outputs.append(output)
         return outputs
 
-    def _fail(self, tracked: RequestState, message: str) -> CompletionOutput | None:
+    def _fail(self, tracked: RequestState, message: str) -> tuple | None:
         """Finish one request with "abort" and `message` as its error; frees its blocks."""
         request = tracked.request
         if self.scheduler.finish_request(request.request_id, "abort") is None:
@@ -535,9 +544,9 @@ class LLMEngine:
         self._tracked.pop(request.request_id, None)
         return self._finish_tracked(tracked)
 
-    def _advance(self, tracked: RequestState, result, now: float) -> CompletionOutput | None:
-        """A request got a token: metrics, logprobs, text and stop strings, then its completion
-        (None when its output kind has nothing to show yet)."""
+    def _advance(self, tracked: RequestState, result, now: float) -> tuple | None:
+        """A request got a token: metrics, logprobs, text and stop strings, then its completion's
+        fields (`completion_fields`; None when its output kind has nothing to show yet)."""
         request, metrics = tracked.request, tracked.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
@@ -558,21 +567,21 @@ class LLMEngine:
         if request.status is RequestStatus.FINISHED:
             del self._tracked[request.request_id]
             return self._finish_tracked(tracked, now)
-        return completion_output(tracked, False)
+        return completion_fields(tracked, False)
 
-    def _finish_tracked(self, tracked: RequestState, now: float | None = None) -> CompletionOutput:
-        """The request has finished (any reason): all its text is final; its last completion."""
+    def _finish_tracked(self, tracked: RequestState, now: float | None = None) -> tuple:
+        """The request has finished (any reason): all its text is final; its last completion's fields."""
         tracked.metrics.finished_time = now if now is not None else time.monotonic()
         if tracked.request.grammar is not None and self._structured is not None:
             self._structured.remove(tracked.request.request_id)
         if tracked.detokenizer is not None:
             tracked.detokenizer.finish()
         try:
-            return completion_output(tracked, True)
+            return completion_fields(tracked, True)
         except Exception as error:  # an error output must not fail in turn
             logger.exception("request %r: output failed", tracked.request.request_id)
             tracked.error = tracked.error or f"{type(error).__name__}: {error}"
-            return CompletionOutput(tracked.index, "", [], finish_reason="abort")
+            return (tracked.index, "", [], None, None, "abort", None)
 
     def shutdown(self) -> None:
         if self._structured is not None:

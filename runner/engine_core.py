@@ -64,8 +64,8 @@ class EngineCoreLoop:
                 except Exception as error:  # noqa: BLE001 - reported to every request it hit, logged
                     self._step_failed(error, deliveries)
                     outputs = []
-                for out in outputs:
-                    deliveries.append((out.request_id, out))
+                for out in outputs:   # a RequestOutput, or the engine's wire tuple (request id first)
+                    deliveries.append((out[0], out) if out.__class__ is tuple else (out.request_id, out))
             if deliveries:
                 self.emit(deliveries)
                 deliveries = []

@@ -47,9 +47,15 @@ _STATS_INTERVAL_S = 0.05
 # ---- the wire format of outputs -------------------------------------------------------------------
 def encode_outputs(deliveries: Deliveries, prompt_sent: set[str]) -> list:
     """Compact tuples for one step's deliveries: the prompt (ids, text, prompt logprobs) only in a
-    request's first output, metrics only in its last; errors as the exception objects."""
+    request's first output, metrics only in its last; errors as the exception objects. What the
+    engine already made in this form (`LLMEngine.wire_outputs`: request_state.wire_output) passes
+    as it is (it tracks its own prompts: an abort's RequestOutput after it may carry the prompt
+    again, which the receiver takes as the same prompt)."""
     encoded = []
     for request_id, item in deliveries:
+        if item.__class__ is tuple:
+            encoded.append(item)
+            continue
         if isinstance(item, BaseException):
             encoded.append((request_id, item))
             prompt_sent.discard(request_id)
@@ -87,6 +93,7 @@ def run_engine_process(config: EngineConfig, commands: Connection, outputs: Conn
     try:
         engine = LLMEngine(config)
         warm_up(engine)
+        engine.wire_outputs = True   # its outputs only cross the pipe: no RequestOutput to build
     except BaseException as error:  # noqa: BLE001 - reported to the server, which refuses to start
         logger.exception("the engine failed to start")
         outputs.send(("failed", f"{type(error).__name__}: {error}"))

@@ -2,8 +2,9 @@
 
 `RequestState` is one request's output side (its text, logprobs, what DELTA outputs already
 handed out, its error); `ParentRequest` merges the completions of a request with `n` > 1, which
-runs as n child requests `f"{index}_{request_id}"` (vLLM's names). `completion_output` and
-`request_output` build the vLLM-shaped outputs once per request per step.
+runs as n child requests `f"{index}_{request_id}"` (vLLM's names). `completion_fields` makes a
+request's completion once per step; `completion_output` and `request_output` build the
+vLLM-shaped outputs from it, `wire_output` the engine process's tuple.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class RequestState:
     """The completion's index among its parent's `n` (0 without a parent)."""
     prompt_logprobs: list | None = None
     """Prompt logprobs entries received so far (prompt_logprobs=k), in prompt order."""
+    prompt_sent: bool = False
+    """Wire outputs (`wire_output`): the prompt went out with an earlier one."""
 
 
 @dataclass(slots=True)
@@ -74,11 +77,12 @@ class ParentRequest:
                              completions, finished, first.metrics, self.error)
 
 
-def completion_output(state: RequestState, finished: bool) -> CompletionOutput | None:
-    """The request's completion after a step, in its `output_kind`: everything so far
-    (CUMULATIVE), what is new since its last output (DELTA), or nothing until it finishes
-    (FINAL_ONLY). Text is the detokenizer's stable prefix until the request finishes, so no
-    output shows text a later one takes back."""
+def completion_fields(state: RequestState, finished: bool) -> tuple | None:
+    """The request's completion after a step, in its `output_kind`, as CompletionOutput's
+    positional arguments: everything so far (CUMULATIVE), what is new since its last output
+    (DELTA), or None until it finishes (FINAL_ONLY). Text is the detokenizer's stable prefix until
+    the request finishes, so no output shows text a later one takes back. A tuple, not the object:
+    the engine process sends these fields as they are (`wire_output`)."""
     request = state.request
     kind = request.sampling_params.output_kind
     if kind is RequestOutputKind.FINAL_ONLY and not finished:
@@ -91,12 +95,16 @@ def completion_output(state: RequestState, finished: bool) -> CompletionOutput |
     if kind is RequestOutputKind.DELTA:
         start, chars = state.num_sent_tokens, state.num_sent_chars
         state.num_sent_tokens, state.num_sent_chars = len(tokens), max(chars, len(text))
-        return CompletionOutput(state.index, text[chars:], tokens[start:], cumulative,
-                                logprobs[start:] if logprobs is not None else None, request.finish_reason,
-                                request.stop_reason)
-    # Positional: keyword arguments would add a third to the cost of this per-request, per-step call.
-    return CompletionOutput(state.index, text, tokens, cumulative, logprobs[:] if logprobs is not None else None,
-                            request.finish_reason, request.stop_reason, len(tokens))
+        return (state.index, text[chars:], tokens[start:], cumulative,
+                logprobs[start:] if logprobs is not None else None, request.finish_reason, request.stop_reason)
+    return (state.index, text, tokens, cumulative, logprobs[:] if logprobs is not None else None,
+            request.finish_reason, request.stop_reason, len(tokens))
+
+
+def completion_output(state: RequestState, finished: bool) -> CompletionOutput | None:
+    """`completion_fields` as a CompletionOutput (None when there is nothing to show)."""
+    fields = completion_fields(state, finished)
+    return None if fields is None else CompletionOutput(*fields)
 
 
 def request_output(state: RequestState, completion: CompletionOutput | None) -> RequestOutput | None:
@@ -106,3 +114,16 @@ def request_output(state: RequestState, completion: CompletionOutput | None) -> 
     request = state.request
     return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, state.prompt_logprobs, [completion],
                          request.status is RequestStatus.FINISHED, state.metrics, state.error)
+
+
+def wire_output(state: RequestState, fields: tuple) -> tuple:
+    """A request without a parent, DELTA: its output straight in the engine process's wire format
+    (runner/engine_process.encode_outputs' tuple: the prompt with the first output, metrics with
+    the last), without building the RequestOutput and CompletionOutput the wire would take apart."""
+    request = state.request
+    finished = request.status is RequestStatus.FINISHED
+    prompt = None
+    if not state.prompt_sent:
+        state.prompt_sent = True
+        prompt = (request.prompt, request.prompt_token_ids, state.prompt_logprobs)
+    return (request.request_id, [fields], finished, state.error, prompt, state.metrics if finished else None)

@@ -209,3 +209,34 @@ def test_engine_process_wire_format_round_trips():
     assert decoded[0] == RequestOutput("r", "hi", [1, 2], outs[0].prompt_logprobs, outs[0].outputs, False, None)
     assert decoded[1] == outs[1]
     assert isinstance(last[1][1], ValueError)
+
+
+def test_wire_outputs_decode_to_the_engines_delta_outputs(checkpoint, prompts):
+    """`LLMEngine.wire_outputs` (the engine process): a DELTA request without a parent comes out as
+    the wire tuple, which decodes to what the engine returns as objects; n > 1 stays objects. Same
+    requests through one engine each way (prompt once, text deltas, logprobs, stop, n=2)."""
+    params = [SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, logprobs=1,
+                             output_kind=RequestOutputKind.DELTA),
+              SamplingParams(temperature=0.8, seed=4, n=2, max_tokens=6, output_kind=RequestOutputKind.DELTA),
+              SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[17], output_kind=RequestOutputKind.DELTA)]
+
+    def run(wire: bool) -> list:
+        engine = _engine(checkpoint)
+        engine.wire_outputs = wire
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            engine.add_request(prompt, p, f"r{i}")
+        got, sent, prompt_of, num_tuples = [], set(), {}, 0
+        while engine.has_unfinished_requests():
+            step = engine.step()
+            num_tuples += sum(o.__class__ is tuple for o in step)
+            for entry in encode_outputs([(o[0] if o.__class__ is tuple else o.request_id, o) for o in step], sent):
+                if entry[4] is not None:
+                    prompt_of[entry[0]] = entry[4]
+                out = decode_output(entry, prompt_of.get(entry[0]))
+                got.append((out.request_id, out.prompt_token_ids, out.outputs, out.finished, out.error))
+        assert (num_tuples > 0) == wire
+        return got
+
+    objects, wired = run(False), run(True)
+    assert wired == objects
+    assert {rid for rid, *_ in wired} == {"r0", "r1", "r2"} and any(len(o[2]) == 1 and o[0] == "r1" for o in wired)

@@ -233,15 +233,15 @@ def test_gemv_configs_weights_are_one_ranks_shards_under_tensor_parallelism():
 
 
 def test_outputs_bench_times_each_stage_of_both_paths(tmp_path, capsys):
-    """`graphrunner bench outputs`: offline's FINAL_ONLY outputs, and the server's DELTA outputs with
-    their wire stages, per token; the JSON holds the same figures."""
+    """`graphrunner bench outputs`: offline's FINAL_ONLY outputs, the engine thread's DELTA outputs,
+    and the engine process's with their wire stages, per token; the JSON holds the same figures."""
     from runner.benchmarks import outputs as bench_outputs
     assert bench_outputs.main(["--requests", "4", "--steps", "3", "--rounds", "1", "--out", str(tmp_path)]) == 0
     figures = json.loads((tmp_path / "outputs.json").read_text())["us_per_token"]
-    assert set(figures["offline (FINAL_ONLY)"]) == {"outputs"}
-    assert set(figures["server (DELTA, wire)"]) == {"outputs", "encode", "pickle", "unpickle", "decode_output"}
+    assert set(figures["offline (FINAL_ONLY)"]) == set(figures["engine thread (DELTA)"]) == {"outputs"}
+    assert set(figures["engine process (DELTA, wire)"]) == {"outputs", "encode", "pickle", "unpickle", "decode_output"}
     assert all(v > 0 for path in figures.values() for v in path.values())
-    assert "| server (DELTA, wire) |" in capsys.readouterr().out
+    assert "| engine process (DELTA, wire) |" in capsys.readouterr().out
 
 
 def test_break_replay_bench_switches_every_graph_between_variants(capsys):

@@ -4,10 +4,12 @@
 
 Why: at saturation the server's two processes each spend about as much CPU per output token as the
 whole offline engine does (docs/PERFORMANCE.md, "Serving"), and what the server adds is this path:
-a DELTA output per request per step (`request_state.completion_output` + `request_output`), its
-wire tuple (`engine_process.encode_outputs`) and pickle in the engine process, then the unpickle
-and `decode_output` in the API process. Offline generation (FINAL_ONLY) builds nothing until a
-request finishes. This times each stage on the CPU it runs on, without a model or a GPU.
+a DELTA output per request per step, its wire tuple and pickle in the engine process, then the
+unpickle and `decode_output` in the API process. Offline generation (FINAL_ONLY) builds nothing
+until a request finishes. Three paths: offline's; the engine in the server's thread (DELTA
+RequestOutputs: `completion_fields` -> `completion_output` + `request_output`); the engine in its
+own process (`LLMEngine.wire_outputs`: `wire_output` straight from the fields, passed through
+`encode_outputs`). This times each stage on the CPU it runs on, without a model or a GPU.
 
 Setup: --requests running requests (256-token prompts, no tokenizer, so no text), each getting one
 token per step for --steps steps; prints microseconds per token for each stage, best of --rounds.
@@ -38,9 +40,10 @@ def _states(requests: int, kind):
 
 
 def time_stages(requests: int, steps: int, kind, wire: bool) -> dict[str, float]:
-    """Seconds per token of each stage over `steps` steps of `requests` requests."""
+    """Seconds per token of each stage over `steps` steps of `requests` requests: the outputs as
+    RequestOutputs, or (`wire`) as the engine process makes and sends them."""
     from runner.engine_process import decode_output, encode_outputs
-    from runner.request_state import completion_output, request_output
+    from runner.request_state import completion_fields, completion_output, request_output, wire_output
     states = _states(requests, kind)
     totals = dict.fromkeys(("outputs", "encode", "pickle", "unpickle", "decode_output") if wire else ("outputs",), 0.0)
     sent: set[str] = set()
@@ -49,12 +52,15 @@ def time_stages(requests: int, steps: int, kind, wire: bool) -> dict[str, float]
         for state in states:
             state.request.output_token_ids.append(step)
         t0 = time.perf_counter()
-        outputs = [o for o in (request_output(s, completion_output(s, False)) for s in states) if o is not None]
+        if wire:
+            outputs = [wire_output(s, f) for s, f in ((s, completion_fields(s, False)) for s in states) if f is not None]
+        else:
+            outputs = [o for o in (request_output(s, completion_output(s, False)) for s in states) if o is not None]
         t1 = time.perf_counter()
         totals["outputs"] += t1 - t0
         if not wire:
             continue
-        encoded = encode_outputs([(o.request_id, o) for o in outputs], sent)
+        encoded = encode_outputs([(o[0], o) for o in outputs], sent)
         t2 = time.perf_counter()
         blob = pickle.dumps(("out", encoded, 0, None), protocol=pickle.HIGHEST_PROTOCOL)
         t3 = time.perf_counter()
@@ -83,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     from configs import RequestOutputKind
     results = {}
     for name, kind, wire in (("offline (FINAL_ONLY)", RequestOutputKind.FINAL_ONLY, False),
-                             ("server (DELTA, wire)", RequestOutputKind.DELTA, True)):
+                             ("engine thread (DELTA)", RequestOutputKind.DELTA, False),
+                             ("engine process (DELTA, wire)", RequestOutputKind.DELTA, True)):
         rounds = [time_stages(args.requests, args.steps, kind, wire) for _ in range(args.rounds)]
         results[name] = {stage: min(r[stage] for r in rounds) * 1e6 for stage in rounds[0]}
     print(f"{args.requests} requests, {args.steps} steps, best of {args.rounds}; microseconds per token:")
