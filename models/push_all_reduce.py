@@ -84,6 +84,12 @@ def _load_words(ptrs, mask, STRONG: tl.constexpr):
 
 
 @triton.jit
+def _untagged(words, tag32, mask):
+    """How many of the masked words do not (yet) carry the tag in their upper half."""
+    return tl.sum(((((words >> 32) & 0xFFFFFFFF) != tag32) & mask).to(tl.int32), axis=0)
+
+
+@triton.jit
 def _nanoseconds():
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
 
@@ -154,12 +160,10 @@ def _push_all_reduce_kernel(x_ptr, lanes, buffer_ptrs, counter_ptr, slot_words,
             else:
                 src = own_words + ((parity * WORLD + source) * slot_words) + offs
                 words = _load_words(src, mask, STRONG)
-                missing = tl.sum(((((words >> 32) & 0xFFFFFFFF) != tag32) & mask).to(tl.int32), axis=0)
                 if STRONG:
                     began = _nanoseconds()
-                while missing > 0:
+                while _untagged(words, tag32, mask) > 0:
                     words = _load_words(src, mask, STRONG)
-                    missing = tl.sum(((((words >> 32) & 0xFFFFFFFF) != tag32) & mask).to(tl.int32), axis=0)
                     if STRONG:
                         if _nanoseconds() - began > TIMEOUT_NS:
                             _trap()

@@ -56,9 +56,9 @@ class GraphStartUp:
         profile batch without a KV cache, each capture key in its runtime mode (so FULL's split-KV
         attention and the decode head pick the variants the capture will) against a one-block
         scratch KV cache of the real cache's layout; and, on the rank that samples, the eager
-        greedy argmax for every row count up to max_num_seqs (runner/greedy.queue_variants). The compiles then run while the block does
-        its work: a launch of a kernel still compiling waits for that one. Leaving waits for the
-        rest. A plain block on a CPU, with graphs off, or with CompilationConfig.compile_threads=0."""
+        greedy argmax for every row count up to max_num_seqs (runner/greedy.queue_variants). The
+        compiles then run while the block does its work: a launch of a kernel still compiling
+        waits for that one. Leaving waits for the rest. A plain block on a CPU, with graphs off, or with CompilationConfig.compile_threads=0."""
         threads = compile_threads(self.config.compilation.compile_threads)
         if self.cudagraph_mode == CUDAGraphMode.NONE or self.device.type != "cuda" or threads < 1:
             yield
