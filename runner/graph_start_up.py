@@ -68,16 +68,27 @@ class GraphStartUp:
             if asynchronous:
                 with queuing_launches():
                     self._run_start_up_batches(self.model_forward)
-                    if self.model.model.is_last and self.tp_rank == 0:   # the sampler: the eager greedy argmax
-                        from runner import greedy
-                        greedy.queue_variants(self.max_num_reqs, self.spec.vocab_size, (self.dtype, torch.float32),
-                                              self.device)
+                    if self.model.model.is_last:
+                        self.queue_sampling_variants()
                 self.precompile_seconds = time.perf_counter() - started
                 logger.info("queued the compiles of the start-up's kernels (%d graph shapes) on %d threads in "
                             "%.2f s", len(self.dispatcher.all_keys_to_capture()), threads, self.precompile_seconds)
             yield
             waiting = time.perf_counter()
         self.compile_wait_seconds = time.perf_counter() - waiting
+
+    def queue_sampling_variants(self) -> None:
+        """Inside `queuing_launches`: the sampler's kernels of the profile run (the same call on
+        a batch of the profile run's rows, without logprobs: their gather would index with the
+        draw's tokens, which a queued launch never writes; the kernels are the same), and, on the
+        rank that samples, the eager greedy argmax for every row count (runner/greedy.queue_variants)."""
+        from runner import greedy
+        from runner.model_runner import PROFILE_SAMPLING
+        rows = min(self.max_num_reqs, sum(self.profile_lengths()))
+        hidden = torch.zeros(rows, self.spec.hidden_size, dtype=self.dtype, device=self.device)
+        self.profile_sampling(hidden, PROFILE_SAMPLING.model_copy(update={"logprobs": None}))
+        if self.tp_rank == 0:
+            greedy.queue_variants(self.max_num_reqs, self.spec.vocab_size, (self.dtype, torch.float32), self.device)
 
     def _run_start_up_batches(self, forward) -> None:
         """The profile batch (no KV cache), then every capture key's inert batch in the key's

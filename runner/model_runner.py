@@ -42,6 +42,9 @@ from runner.start_up_times import StartUpTimes
 logger = logging.getLogger(__name__)
 
 CPU_PROFILE_TOKENS = 2
+PROFILE_SAMPLING = SamplingParams(top_k=50, top_p=0.9, logprobs=5)
+"""What every row of the profile run samples with: the candidates pass, the thresholds, the random
+draw and the logprobs, so their memory is in the peak and their kernels are compiled at start-up."""
 """Tokens of the CPU profile run: it only has to run the no-KV-cache path once (see `profile_run`).
 Two: attention across positions, and below the row counts that count towards packing a linear's
 weight (models/layers.PACKED_MIN_ROWS), so the profile run alone never causes a pack."""
@@ -222,20 +225,30 @@ class ModelRunner(GraphStartUp):
         # seconds of start-up spent on a large prefill no request asked for.
         hidden = self._forward(*self._profile_batch(), CUDAGraphMode.NONE, None)
         if hidden is not None and self.model.model.is_last:
-            logits = self.model.compute_logits(hidden[: min(self.max_num_reqs, hidden.shape[0])])
-            profile_params = [SamplingParams(top_k=50, top_p=0.9, logprobs=5)] * logits.shape[0]
-            self.sampling.sampler(logits, SamplingMetadata.from_params(profile_params, {}, self.device))
+            self.profile_sampling(hidden, PROFILE_SAMPLING)
         if self.device.type != "cuda":
             return 0
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device)
 
-    def _profile_batch(self):
-        """(tokens, metadata) of the profile run: max_num_batched_tokens of prefill, no cache slots."""
+    def profile_sampling(self, hidden: torch.Tensor, params: SamplingParams) -> None:
+        """The profile run's sampler call: the LM head and the sampler on the first max_num_reqs
+        rows of `hidden`, every row with `params` (`queue_sampling_variants` repeats it with
+        launches only queued)."""
+        logits = self.model.compute_logits(hidden[: min(self.max_num_reqs, hidden.shape[0])])
+        self.sampling.sampler(logits, SamplingMetadata.from_params([params] * logits.shape[0], {}, self.device))
+
+    def profile_lengths(self) -> list[int]:
+        """The profile run's prompt lengths: max_num_batched_tokens of prefill (CPU_PROFILE_TOKENS
+        on a CPU) in prompts of at most max_model_len, at most max_num_seqs of them."""
         num_tokens = self.max_num_tokens if self.device.type == "cuda" else min(self.max_num_tokens, CPU_PROFILE_TOKENS)
         per_req = min(self.max_model_len, num_tokens)
         lens = [per_req] * (num_tokens // per_req) + ([num_tokens % per_req] if num_tokens % per_req else [])
-        lens = lens[: self.max_num_reqs]
+        return lens[: self.max_num_reqs]
+
+    def _profile_batch(self):
+        """(tokens, metadata) of the profile run (`profile_lengths`), no cache slots."""
+        lens = self.profile_lengths()
         requests = [[0] * n for n in lens]
         return sum(lens), self.input_batch.prepare(requests, [0] * len(lens), [[] for _ in lens], sum(lens),
                                                    len(lens), slots_enabled=False)

@@ -148,6 +148,31 @@ def test_start_up_batches_run_through_the_model_in_each_keys_mode(runner_factory
     assert runner.full.num_captured == runner.piecewise.num_captured == 0
 
 
+def test_queued_sampling_repeats_the_profile_runs_sampler_call_without_logprobs(runner_factory, monkeypatch):
+    """kernels_compiled_ahead queues the sampler kernels the profile run launches: the same sampler
+    call on as many rows (launches only queued, so no logprobs, whose gather would read the draw's
+    unwritten tokens), and the greedy argmax variants on the rank that samples."""
+    from runner import greedy
+    runner, _ = runner_factory("FULL_AND_PIECEWISE")
+    runner.load_model()
+    calls, sampler = [], runner.sampling.sampler
+
+    def spy(logits, metadata):
+        calls.append((tuple(logits.shape), logits.dtype, metadata.max_num_logprobs, metadata.no_top_k,
+                      metadata.no_top_p, metadata.all_random))
+        return sampler(logits, metadata)
+
+    monkeypatch.setattr(runner.sampling, "sampler", spy)
+    queued = []
+    monkeypatch.setattr(greedy, "queue_variants", lambda *args: queued.append(args))
+    runner.profile_run()
+    runner.queue_sampling_variants()
+    rows = min(runner.max_num_reqs, sum(runner.profile_lengths()))
+    expected = ((rows, runner.spec.vocab_size), torch.float32)
+    assert calls == [(*expected, 5, False, False, True), (*expected, None, False, False, True)]
+    assert queued == [(runner.max_num_reqs, runner.spec.vocab_size, (torch.float32, torch.float32), runner.device)]
+
+
 def test_compiling_ahead_is_a_plain_block_on_a_cpu(runner_factory, monkeypatch):
     runner, _ = runner_factory("FULL_AND_PIECEWISE")
     runner.load_model()
