@@ -146,7 +146,7 @@ class CausalLM(nn.Module):
                 self.lm_head.weight = self.model.embed_tokens.weight
 
     def reset_buffers(self) -> None:
-        """Recompute non-parameter state after `to_empty` (the module is built on the meta
+        """Recompute non-parameter state after `loader.materialize` (the module is built on the meta
         device to skip a useless random init) and re-tie the head to the embedding."""
         for module in self.modules():
             if isinstance(module, RotaryEmbedding):

@@ -24,6 +24,7 @@ a 2-core CPU: 49 ms for the whole model, against 2.4 s for `isfinite(t).all()` p
 
 from __future__ import annotations
 
+
 import json
 import logging
 import re
@@ -247,6 +248,25 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             param.normal_(0.0, 0.02, generator=generator)
 
 
+def materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """Module.to_empty without its cost: every meta parameter and buffer replaced by an
+    uninitialised tensor of its shape and dtype on `device` (a tensor several modules share gets
+    one replacement; to_empty would make one per module). Not `to_empty` itself: its
+    torch.empty_like on a meta tensor runs torch's Python reference, which imports torch.fx's
+    symbolic shapes and sympy (~2 s of a GPU start-up: docs/PERFORMANCE.md, "GPU: LLM to ready")."""
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # id(meta tensor) -> (it, its replacement)
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in made:   # the meta tensor stays referenced here, so its id is not reused
+                    empty = torch.empty(t.shape, dtype=t.dtype, device=device)
+                    made[id(t)] = (t, torch.nn.Parameter(empty, t.requires_grad) if isinstance(t, torch.nn.Parameter)
+                                   else empty)
+                table[name] = made[id(t)][1]
+
+
 def allocate_model(spec: ModelSpec, *, device: torch.device, dtype: torch.dtype,
                    layer_range: range | None = None, max_positions: int | None = None,
                    huge_pages: bool = True) -> CausalLM:
@@ -260,7 +280,7 @@ def allocate_model(spec: ModelSpec, *, device: torch.device, dtype: torch.dtype,
             model = model_class(spec.architecture)(spec, layer_range, max_positions)
     finally:
         torch.set_default_dtype(default_dtype)
-    model.to_empty(device=device)
+    materialize(model, device)
     if device.type == "cpu" and huge_pages:
         place_parameters_in_arena(model)
     model.reset_buffers()

@@ -8,13 +8,16 @@ together. Per-request output state lives in request_state.py, text in detokenize
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from configs import EngineConfig, RequestOutputKind, SamplingParams
+from models.config_json import ConfigFileError
 from models.hf_config import load_hf_config, model_spec, resolve_max_model_len
 from runner.detokenizer import IncrementalDetokenizer
 from runner.outputs import CompletionOutput, PendingOutput, RequestMetrics, RequestOutput
@@ -78,12 +81,16 @@ def resolve_model_path(model: str) -> str:
 
 
 def eos_token_ids(path: str, spec, tokenizer) -> set[int]:
-    """EOS ids as HF generate sees them: generation_config.json first, then config, then tokenizer."""
-    try:
-        from transformers import GenerationConfig
-        eos = GenerationConfig.from_pretrained(path).eos_token_id
-    except OSError:
-        eos = None
+    """EOS ids as HF generate sees them: generation_config.json first, then config, then tokenizer.
+    The file is read as JSON, as transformers' GenerationConfig reads it, without importing
+    transformers (whose import chain is seconds of start-up: docs/PERFORMANCE.md, "GPU: LLM to ready")."""
+    eos = None
+    generation_config = Path(path) / "generation_config.json"
+    if generation_config.is_file():
+        try:
+            eos = json.loads(generation_config.read_text()).get("eos_token_id")
+        except (ValueError, AttributeError) as error:
+            raise ConfigFileError(f"{generation_config} is not a JSON object: {error}") from None
     if eos is None:
         eos = list(spec.eos_token_ids) or (tokenizer.eos_token_id if tokenizer is not None else None)
     if eos is None:

@@ -178,3 +178,26 @@ def test_reading_a_config_imports_no_transformers_model_module(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
+
+
+@pytest.mark.parametrize("generation", [{"eos_token_id": [128001, 128009]}, {"eos_token_id": 7}, {"eos_token_id": None},
+                                        {"bos_token_id": 1}, None])
+def test_eos_ids_come_from_generation_config_json_as_transformers_reads_it(tmp_path, generation):
+    """runner.engine.eos_token_ids reads generation_config.json itself (no transformers import);
+    what it takes from the file is GenerationConfig's eos_token_id, and without one the config's."""
+    from transformers import GenerationConfig
+    from runner.engine import eos_token_ids
+    folder = _write(tmp_path, LEGACY["llama-3.2"])
+    if generation is not None:
+        (folder / "generation_config.json").write_text(json.dumps(generation))
+    spec = model_spec(load_hf_config(folder))
+    try:
+        theirs = GenerationConfig.from_pretrained(folder).eos_token_id
+    except OSError:   # no generation_config.json
+        theirs = None
+    if theirs is None:
+        theirs = list(spec.eos_token_ids)
+    assert eos_token_ids(str(folder), spec, None) == (set(theirs) if isinstance(theirs, list) else {theirs})
+    (folder / "generation_config.json").write_text("{not json")
+    with pytest.raises(ConfigFileError, match="generation_config.json"):
+        eos_token_ids(str(folder), spec, None)

@@ -161,10 +161,11 @@ def test_ready_line_breaks_the_start_up_down(tiny, caplog):
 
 
 def test_a_cpu_start_imports_neither_triton_nor_dynamo(tiny):
-    """Triton and torch._dynamo are seconds of imports a CPU engine never uses; transformers' family
-    config module (read by AutoConfig, for the model or for AutoTokenizer) imports its image, video
-    and generation utilities, seconds more (models/config_json.py)."""
-    watched = ("triton", "torch._dynamo", "transformers.modeling_utils", "transformers.models.llama.configuration_llama")
+    """Triton and torch._dynamo are seconds of imports a CPU engine never uses; so is sympy, which
+    Module.to_empty pulled in (models/loader.materialize); transformers' family config module (read
+    by AutoConfig, for the model or for AutoTokenizer) imports its image, video and generation
+    utilities, seconds more (models/config_json.py)."""
+    watched = ("triton", "torch._dynamo", "sympy", "transformers.modeling_utils", "transformers.models.llama.configuration_llama")
     script = (f"import sys\nfrom runner import LLM, SamplingParams\n"
               f"llm = LLM(model={str(tiny)!r}, device='cpu', max_model_len=32, max_num_seqs=2)\n"
               f"assert llm.engine.tokenizer is not None\n"
