@@ -55,6 +55,11 @@ class KernelConfig(BaseModel):
                                       "GRAPHRUNNER_FUSED_MERGE=0/1 on an H100: bs1 32k 64 splits 43 / 57 us, 1k "
                                       "16 splits 12 / 21 us), the in-kernel merge in eager launches, where a "
                                       "second launch costs host time [GRAPHRUNNER_FUSED_MERGE]", bool)
+    one_row_block_n: Literal[2, 4, 8] | None = _field(
+        "GRAPHRUNNER_ONE_ROW_BLOCK_N", "one_row_block_n", None,
+        "CUDA: output columns a program of the one-row GEMV kernels owns (gate/up and RoPE column pairs at "
+        "half of it); None: the measured rule of models/small_batch_kernels.one_row_block_n "
+        "[GRAPHRUNNER_ONE_ROW_BLOCK_N]", int)
     min_split_tiles: int = _field("GRAPHRUNNER_MIN_SPLIT_TILES", "min_split_tiles", 1,
                                   "CUDA: the fewest KV tiles one split-KV attention program takes "
                                   "[GRAPHRUNNER_MIN_SPLIT_TILES]", ge=1)

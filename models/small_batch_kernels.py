@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from configs.kernel_config import active_kernel_config
 from launch.fast_launch import FastLaunch, num_sms
 from launch.pdl import use_pdl, wait_for_producers
 
@@ -214,6 +215,16 @@ Many thin programs (N / 2 of them) keep enough loads in flight; one 16-byte load
 row per iteration; the loop is not pipelined (num_stages 3 measured the same as 1)."""
 
 
+def one_row_block_n(n: int, k: int) -> int:
+    """BLOCK_N of a one-row GEMV on a GPU: KernelConfig.one_row_block_n when set, else ONE_ROW_TILES'.
+    Why 2 stays the default: 4 x 1024 wins in isolation on many weights (`graphrunner bench
+    gemv_configs`: on an H200 Llama-3-8B down 33.1 -> 29.4 us, its TP=2 qkv shard 9.8 -> 8.4), but in
+    the decode step (`GRAPHRUNNER_ONE_ROW_BLOCK_N=4 graphrunner bench decode --modes FULL
+    --batch-sizes 1`) it is 3% faster on an H200 for Llama-3-8B and 0.7-2% slower on an H100 for
+    Llama-3-8B and Llama-3.2-1B (docs/PERFORMANCE.md, "One-row GEMV tiles")."""
+    return active_kernel_config().one_row_block_n or ONE_ROW_TILES["block_n"]
+
+
 def block_sizes(rows: int, n: int, k: int, dtype: torch.dtype, device: torch.device, gated: bool = False):
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for `rows` x [n outputs, k inputs]. One row on a GPU:
     ONE_ROW_TILES (BLOCK_K down to K's power of two). Otherwise untuned: BLOCK_N is the largest
@@ -224,7 +235,7 @@ def block_sizes(rows: int, n: int, k: int, dtype: torch.dtype, device: torch.dev
     block_m = 1 if rows == 1 else max(16, triton.next_power_of_2(rows))
     if block_m == 1 and device.type == "cuda":
         t = ONE_ROW_TILES
-        block_n = t["block_n"] // 2 if gated else t["block_n"]
+        block_n = one_row_block_n(n, k) // (2 if gated else 1)
         return 1, block_n, max(16, min(t["block_k"], triton.next_power_of_2(k))), t["num_warps"]
     sms = num_sms(device) if device.type == "cuda" else INTERPRETER_SMS
     min_n = 8 if block_m == 1 else 16
