@@ -21,7 +21,8 @@ logger = logging.getLogger(__name__)
 def start_model_runner(runner: ModelRunner, config: EngineConfig, agreement=None) -> int:
     """The warm-up contract, steps 1-4: load, profile without a KV cache, measure the graph
     reserve, size and allocate the cache, capture; all but the load with their Triton kernels
-    compiled ahead, in parallel (`kernels_compiled_ahead`). `agreement` (runner/distributed/comm.py
+    compiled ahead, in parallel (`kernels_compiled_ahead`), unless every rank's kernel cache holds
+    them from an earlier start-up of the same configuration (runner/start_up_record.py). `agreement` (runner/distributed/comm.py
     Agreement: `min(int)` and `gather(obj)` over every rank; None for one process) makes the ranks
     of a multi-process engine agree on the graph plan before the load, on the block count (every
     rank allocates the smallest) and on graph readiness (runner/cudagraph/consensus.py). Returns
@@ -32,7 +33,10 @@ def start_model_runner(runner: ModelRunner, config: EngineConfig, agreement=None
     times = runner.start_up_times
     with times.phase("load"):
         runner.load_model()
-    with runner.kernels_compiled_ahead():
+    cached = runner.cache_holds_start_up()
+    if agreement is not None:   # the queue pass runs collectives: every rank runs it or none does
+        cached = agreement.min(int(cached)) == 1
+    with runner.kernels_compiled_ahead(queue=not cached):
         with times.phase("profile"):
             peak = runner.profile_run()
             reserve = runner.measure_graph_reserve()
@@ -47,6 +51,7 @@ def start_model_runner(runner: ModelRunner, config: EngineConfig, agreement=None
     times.add("compile", runner.precompile_seconds + runner.compile_wait_seconds)
     if agreement is not None and not agree_ready(runner.cuda_graph_ready, agreement.min):
         runner.disable_cudagraphs()
+    runner.record_start_up()
     return blocks
 
 

@@ -21,6 +21,7 @@ import torch
 from configs import CUDAGraphMode
 from launch.compile_ahead import compile_ahead, compile_threads, queuing_launches
 from runner.cudagraph import AddressCheck, BatchDescriptor, capture_all, graph_pool, measure_graph_memory
+from runner import start_up_record
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,27 @@ class GraphStartUp:
                                              desc.num_tokens, padded_reqs, slots_enabled=False)
         self._forward(desc.num_tokens, common, mode, desc, forward)
 
+    def _compiles_ahead(self) -> bool:
+        return (self.cudagraph_mode != CUDAGraphMode.NONE and self.device.type == "cuda"
+                and compile_threads(self.config.compilation.compile_threads) > 0)
+
+    def _start_up_key(self) -> str:
+        place = (self.tp_rank, self.layer_range.start, self.layer_range.stop)
+        return start_up_record.start_up_key(self.config, self.model_path, self.device, place)
+
+    def cache_holds_start_up(self) -> bool:
+        """Whether an earlier start-up of this configuration left every kernel in the cache
+        (runner/start_up_record.py): then `kernels_compiled_ahead(queue=False)` pays off."""
+        return self._compiles_ahead() and start_up_record.compiled_before(self.config.kernel.cache_dir,
+                                                                          self._start_up_key())
+
+    def record_start_up(self) -> None:
+        """After a start-up that captured its graphs: its kernels are in the cache now."""
+        if self._compiles_ahead() and self.cuda_graph_ready:
+            start_up_record.record(self.config.kernel.cache_dir, self._start_up_key())
+
     @contextmanager
-    def kernels_compiled_ahead(self) -> Iterator[None]:
+    def kernels_compiled_ahead(self, queue: bool = True) -> Iterator[None]:
         """Start-up inside this block compiles its Triton kernels on compiler threads
         (launch/compile_ahead.py) instead of one at a time at their first launch.
         Entering queues the compile of every variant the profile run and the graph captures will
@@ -58,9 +78,15 @@ class GraphStartUp:
         scratch KV cache of the real cache's layout; and, on the rank that samples, the eager
         greedy argmax for every row count up to max_num_seqs (runner/greedy.queue_variants). The
         compiles then run while the block does its work: a launch of a kernel still compiling
-        waits for that one. Leaving waits for the rest. A plain block on a CPU, with graphs off, or with CompilationConfig.compile_threads=0."""
+        waits for that one. Leaving waits for the rest. A plain block on a CPU, with graphs off, with
+        CompilationConfig.compile_threads=0, or with `queue` False (every rank found the record of
+        an earlier start-up of this configuration, `cache_holds_start_up`: the cached kernels load
+        at their first launch, sooner than the queue pass would find them)."""
         threads = compile_threads(self.config.compilation.compile_threads)
-        if self.cudagraph_mode == CUDAGraphMode.NONE or self.device.type != "cuda" or threads < 1:
+        if not self._compiles_ahead() or not queue:
+            if self._compiles_ahead():
+                logger.info("the kernel cache holds this start-up's kernels (runner/start_up_record.py): "
+                            "no compile-ahead pass")
             yield
             return
         started = time.perf_counter()

@@ -8,7 +8,8 @@ AsyncCompileMode.submit, which is wrapped to record, per submit, whether launche
 queued then and whether the variant is new (a launch of a kernel still compiling submits again
 and gets the pending compile: "again"); Triton's cache hook, called just before, names it. After
 start-up, generating batches of several sizes compiles no greedy-argmax variant (start-up queued
-them all: runner/greedy.queue_variants); the hook lists what serving did compile."""
+them all: runner/greedy.queue_variants); the hook lists what serving did compile. A second
+start-up on the filled cache skips the queue pass and compiles nothing."""
 
 from __future__ import annotations
 
@@ -63,11 +64,28 @@ print("COUNTS " + json.dumps({{"asked": asked, "serving": serving, "queue_s": ro
 """
 
 
-def test_start_up_compiles_every_kernel_ahead(tmp_path):
-    script = SCRIPT.format(root=str(ROOT), tmp=str(tmp_path), cache=str(tmp_path / "kernel-cache"))
+def _start_up(script: str) -> dict:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.split("COUNTS ", 1)[1])
+    return json.loads(done.stdout.split("COUNTS ", 1)[1])
+
+
+def _files(folder: Path) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+
+
+def test_start_up_compiles_every_kernel_ahead(tmp_path):
+    """The first start-up on an empty cache queues every compile; the second, in a fresh process on
+    the same cache, finds the first's record (runner/start_up_record.py), skips the queue pass and
+    compiles nothing: the cache gains no kernel."""
+    cache = tmp_path / "kernel-cache"
+    script = SCRIPT.format(root=str(ROOT), tmp=str(tmp_path), cache=str(cache))
+    result = _start_up(script)
+    filled = _files(cache / "triton")
+    again = _start_up(script)
+    print({k: v for k, v in again.items() if k != "asked"})
+    assert again["queue_s"] == 0 and not again["asked"] and again["graphs"] == result["graphs"]
+    assert _files(cache / "triton") == filled
     for how, new, name in result["asked"]:
         print(how, new, name)
     print({k: v for k, v in result.items() if k != "asked"})

@@ -173,6 +173,70 @@ def test_queued_sampling_repeats_the_profile_runs_sampler_call_without_logprobs(
     assert queued == [(runner.max_num_reqs, runner.spec.vocab_size, (torch.float32, torch.float32), runner.device)]
 
 
+def test_a_start_up_with_graphs_leaves_a_record_the_next_one_finds(runner_factory, monkeypatch, tmp_path):
+    """record_start_up writes the record of this configuration once its graphs are captured (only
+    where kernels compile ahead: a GPU with graphs), and cache_holds_start_up finds it; another
+    configuration does not."""
+    runner, _ = runner_factory("FULL_AND_PIECEWISE")
+    runner.config.kernel.cache_dir = str(tmp_path)
+    runner.record_start_up()   # on a CPU nothing compiles ahead: no record
+    assert not runner.cache_holds_start_up() and not (tmp_path / "triton").exists()
+    monkeypatch.setattr(runner, "_compiles_ahead", lambda: True)
+    runner.cuda_graph_ready = False
+    runner.record_start_up()   # graphs not captured: no record
+    assert not runner.cache_holds_start_up()
+    runner.cuda_graph_ready = True
+    runner.record_start_up()
+    assert runner.cache_holds_start_up()
+    runner.config.scheduler.max_num_seqs = 4
+    assert not runner.cache_holds_start_up()
+
+
+@pytest.mark.parametrize("held, agreed, queued", [(True, None, False), (False, None, True), (True, 0, True),
+                                                  (False, 1, True)])
+def test_start_up_skips_the_queue_pass_only_where_every_rank_holds_the_record(runner_factory, monkeypatch,
+                                                                              held, agreed, queued):
+    """The queue pass runs the model's collectives, so ranks skip it together: the minimum over
+    the ranks (`agreement.min`) of whether each holds its record."""
+    from contextlib import contextmanager
+
+    from runner import executor
+    runner, config = runner_factory("FULL_AND_PIECEWISE")
+    monkeypatch.setattr(runner, "cache_holds_start_up", lambda: held)
+    seen = []
+
+    @contextmanager
+    def compiled_ahead(queue=True):
+        seen.append(queue)
+        yield
+    monkeypatch.setattr(runner, "kernels_compiled_ahead", compiled_ahead)
+
+    class OneRankAgreement:   # this rank alone, except that another rank answers `agreed` to the first min
+        asked = 0
+
+        def gather(self, value):
+            return [value]
+
+        def min(self, value):
+            self.asked += 1
+            return min(value, agreed) if self.asked == 1 else value
+
+    runner.cudagraph_mode = CUDAGraphMode.NONE
+    runner.dispatcher.mode = CUDAGraphMode.NONE
+    executor.start_model_runner(runner, config, None if agreed is None else OneRankAgreement())
+    assert seen == [queued]
+
+
+def test_without_the_queue_pass_compiling_ahead_runs_no_forward(runner_factory, monkeypatch):
+    runner, _ = runner_factory("FULL_AND_PIECEWISE")
+    runner.load_model()
+    monkeypatch.setattr(runner, "_compiles_ahead", lambda: True)
+    monkeypatch.setattr(runner, "_run_start_up_batches", lambda forward: pytest.fail("queue pass ran"))
+    with runner.kernels_compiled_ahead(queue=False):
+        ran = True
+    assert ran and runner.precompile_seconds == 0.0
+
+
 def test_compiling_ahead_is_a_plain_block_on_a_cpu(runner_factory, monkeypatch):
     runner, _ = runner_factory("FULL_AND_PIECEWISE")
     runner.load_model()
