@@ -125,7 +125,8 @@ def test_killing_the_engine_process_fails_requests_and_health(checkpoint):
 
 def test_bench_serve_starts_an_engine_process_server_and_compares_offline(tmp_path):
     """`graphrunner bench serve --engine-process --offline`: every request completes, and the
-    ratios (throughput, host CPU per token from the server's processes) are reported. The
+    ratios (throughput, host CPU per token from the server's processes) and the client's CPU are
+    reported. The
     benchmark's random token ids reach 10000: a vocabulary that holds them, no tokenizer."""
     from runner.benchmarks.serve import main
     checkpoint, _ = make_tiny_checkpoint(tmp_path / "llama", "llama_gqa", with_tokenizer=False, vocab_size=10240)
@@ -136,7 +137,7 @@ def test_bench_serve_starts_an_engine_process_server_and_compares_offline(tmp_pa
     assert report["server"]["completed"] == 4 and report["server"]["output_tokens"] == 16
     assert report["server"]["cpu_seconds"] > 0 and report["offline"]["output_tokens"] == 16
     by_process = report["server"]["cpu_seconds_by_process"]   # the engine's steps run in the child
-    assert by_process["api"] > 0 and by_process["engine"] > 0
+    assert by_process["api"] > 0 and by_process["engine"] > 0 and report["server"]["client_cpu_seconds"] > 0
     assert report["ratios"]["server_over_offline_tokens_per_s"] > 0
     assert report["ratios"]["server_over_offline_cpu_per_token"] > 0
 
