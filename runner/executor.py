@@ -22,11 +22,11 @@ def start_model_runner(runner: ModelRunner, config: EngineConfig, agreement=None
     """The warm-up contract, steps 1-4: load, profile without a KV cache, measure the graph
     reserve, size and allocate the cache, capture; all but the load with their Triton kernels
     compiled ahead, in parallel (`kernels_compiled_ahead`), unless every rank's kernel cache holds
-    them from an earlier start-up of the same configuration (runner/start_up_record.py). `agreement` (runner/distributed/comm.py
-    Agreement: `min(int)` and `gather(obj)` over every rank; None for one process) makes the ranks
-    of a multi-process engine agree on the graph plan before the load, on the block count (every
-    rank allocates the smallest) and on graph readiness (runner/cudagraph/consensus.py). Returns
-    the block count."""
+    them from an earlier start-up of the same configuration (runner/start_up_record.py).
+    `agreement` (runner/distributed/comm.py Agreement: `min(int)` and `gather(obj)` over every rank;
+    None for one process) makes the ranks of a multi-process engine agree on the graph plan before
+    the load, on skipping the compile-ahead pass, on the block count (every rank allocates the
+    smallest) and on graph readiness (runner/cudagraph/consensus.py). Returns the block count."""
     if agreement is not None:
         mode, sizes = agree_graph_plan(agreement.gather(runner.graph_plan()))
         runner.adopt_graph_plan(mode, sizes)

@@ -20,8 +20,8 @@ import torch
 
 from configs import CUDAGraphMode
 from launch.compile_ahead import compile_ahead, compile_threads, queuing_launches
-from runner.cudagraph import AddressCheck, BatchDescriptor, capture_all, graph_pool, measure_graph_memory
 from runner import start_up_record
+from runner.cudagraph import AddressCheck, BatchDescriptor, capture_all, graph_pool, measure_graph_memory
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +63,14 @@ class GraphStartUp:
                                                                           self._start_up_key())
 
     def record_start_up(self) -> None:
-        """After a start-up that captured its graphs: its kernels are in the cache now."""
+        """After a start-up that captured its graphs: its kernels are in the cache now. A cache
+        folder that cannot be written costs the next start-up its shortcut, not this one its start."""
         if self._compiles_ahead() and self.cuda_graph_ready:
-            start_up_record.record(self.config.kernel.cache_dir, self._start_up_key())
+            try:
+                start_up_record.record(self.config.kernel.cache_dir, self._start_up_key())
+            except OSError as error:
+                logger.warning("could not record this start-up in the kernel cache (%s); the next start-up "
+                               "runs the compile-ahead pass again", error)
 
     @contextmanager
     def kernels_compiled_ahead(self, queue: bool = True) -> Iterator[None]:

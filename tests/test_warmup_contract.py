@@ -190,6 +190,10 @@ def test_a_start_up_with_graphs_leaves_a_record_the_next_one_finds(runner_factor
     assert runner.cache_holds_start_up()
     runner.config.scheduler.max_num_seqs = 4
     assert not runner.cache_holds_start_up()
+    runner.config.kernel.cache_dir = str(tmp_path / "file")
+    (tmp_path / "file").write_text("")   # a cache folder that cannot be made: a warning, no error
+    runner.record_start_up()
+    assert not runner.cache_holds_start_up()
 
 
 @pytest.mark.parametrize("held, agreed, queued", [(True, None, False), (False, None, True), (True, 0, True),
