@@ -215,7 +215,7 @@ Many thin programs (N / 2 of them) keep enough loads in flight; one 16-byte load
 row per iteration; the loop is not pipelined (num_stages 3 measured the same as 1)."""
 
 
-def one_row_block_n(n: int, k: int) -> int:
+def one_row_block_n() -> int:
     """BLOCK_N of a one-row GEMV on a GPU: KernelConfig.one_row_block_n when set, else ONE_ROW_TILES'.
     Why 2 stays the default: 4 x 1024 wins in isolation on many weights (`graphrunner bench
     gemv_configs`: on an H200 Llama-3-8B down 33.1 -> 29.4 us, its TP=2 qkv shard 9.8 -> 8.4), but in
@@ -235,7 +235,7 @@ def block_sizes(rows: int, n: int, k: int, dtype: torch.dtype, device: torch.dev
     block_m = 1 if rows == 1 else max(16, triton.next_power_of_2(rows))
     if block_m == 1 and device.type == "cuda":
         t = ONE_ROW_TILES
-        block_n = one_row_block_n(n, k) // (2 if gated else 1)
+        block_n = one_row_block_n() // (2 if gated else 1)
         return 1, block_n, max(16, min(t["block_k"], triton.next_power_of_2(k))), t["num_warps"]
     sms = num_sms(device) if device.type == "cuda" else INTERPRETER_SMS
     min_n = 8 if block_m == 1 else 16

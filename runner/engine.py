@@ -588,7 +588,7 @@ class LLMEngine:
         except Exception as error:  # an error output must not fail in turn
             logger.exception("request %r: output failed", tracked.request.request_id)
             tracked.error = tracked.error or f"{type(error).__name__}: {error}"
-            return (tracked.index, "", [], None, None, "abort", None)
+            return (tracked.index, "", [], None, None, "abort", None)   # completion_fields' order: no text, aborted
 
     def shutdown(self) -> None:
         if self._structured is not None:

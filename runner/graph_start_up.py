@@ -87,13 +87,15 @@ class GraphStartUp:
         CompilationConfig.compile_threads=0, or with `queue` False (every rank found the record of
         an earlier start-up of this configuration, `cache_holds_start_up`: the cached kernels load
         at their first launch, sooner than the queue pass would find them)."""
-        threads = compile_threads(self.config.compilation.compile_threads)
-        if not self._compiles_ahead() or not queue:
-            if self._compiles_ahead():
-                logger.info("the kernel cache holds this start-up's kernels (runner/start_up_record.py): "
-                            "no compile-ahead pass")
+        if not self._compiles_ahead():
             yield
             return
+        if not queue:
+            logger.info("the kernel cache holds this start-up's kernels (runner/start_up_record.py): "
+                        "no compile-ahead pass")
+            yield
+            return
+        threads = compile_threads(self.config.compilation.compile_threads)
         started = time.perf_counter()
         with compile_ahead(threads) as asynchronous:
             if asynchronous:

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from configs.kernel_config import using_kernel_config
 from models import layers, llama
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -145,6 +146,9 @@ def test_block_sizes_fill_the_gpu_and_fit_the_paths(monkeypatch):
     assert sbk.block_sizes(1, 1536, 576, torch.bfloat16, cuda, gated=True) == (1, 1, 1024, 4)
     assert sbk.block_sizes(1, 64, 64, torch.bfloat16, cuda) == (1, 2, 64, 4)
     assert sbk.qkv_rope_block_sizes(480, 960, 576, torch.bfloat16, cuda) == (1, 1024)
+    with using_kernel_config(one_row_block_n=4):   # the switch for measuring other tiles in the step
+        assert sbk.block_sizes(1, 4096, 14336, torch.bfloat16, cuda) == (1, 4, 1024, 4)
+        assert sbk.block_sizes(1, 1536, 576, torch.bfloat16, cuda, gated=True) == (1, 2, 1024, 4)
     # The interpreter keeps few, wide programs (its cost is per program).
     assert sbk.block_sizes(1, 960, 576, torch.float32, torch.device("cpu"))[1] >= 8
 

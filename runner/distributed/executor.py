@@ -217,7 +217,7 @@ def _teardown(state: _State) -> None:
         # workers release theirs on "stop" too. (After a failure a graph's collective may never
         # finish, so no synchronising then: the groups are aborted instead.)
         state.release_graphs()
-        reset_tensor_parallel_group()  # the push all-reduce's symmetric buffer, before the groups
+        reset_tensor_parallel_group()  # drops the push all-reduce's buffers (and peers' mappings) before the groups
     state.release_graphs = None
     # On "stop" every rank destroys its groups at about the same time (NCCL teardown may be collective).
     destroy_groups(state.groups, abort=not graceful)
