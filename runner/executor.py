@@ -22,24 +22,27 @@ def start_model_runner(runner: ModelRunner, config: EngineConfig, agreement=None
     """The warm-up contract, steps 1-4: load, profile without a KV cache, measure the graph
     reserve, size and allocate the cache, capture; all but the load with their Triton kernels
     compiled ahead, in parallel (`kernels_compiled_ahead`), unless every rank's kernel cache holds
-    them from an earlier start-up of the same configuration (runner/start_up_record.py).
+    them from an earlier start-up of the same configuration (runner/start_up_record.py), which
+    also recorded the graph reserve then measured.
     `agreement` (runner/distributed/comm.py Agreement: `min(int)` and `gather(obj)` over every rank;
     None for one process) makes the ranks of a multi-process engine agree on the graph plan before
-    the load, on skipping the compile-ahead pass, on the block count (every rank allocates the
-    smallest) and on graph readiness (runner/cudagraph/consensus.py). Returns the block count."""
+    the load, on skipping the compile-ahead pass and the reserve's measurement, on the block count
+    (every rank allocates the smallest) and on graph readiness (runner/cudagraph/consensus.py).
+    Returns the block count."""
     if agreement is not None:
         mode, sizes = agree_graph_plan(agreement.gather(runner.graph_plan()))
         runner.adopt_graph_plan(mode, sizes)
     times = runner.start_up_times
     with times.phase("load"):
         runner.load_model()
-    cached = runner.cache_holds_start_up()
-    if agreement is not None:   # the queue pass runs collectives: every rank runs it or none does
+    earlier = runner.earlier_start_up()
+    cached = earlier is not None
+    if agreement is not None:   # the queue pass and the reserve's captures run collectives: all ranks or none
         cached = agreement.min(int(cached)) == 1
     with runner.kernels_compiled_ahead(queue=not cached):
         with times.phase("profile"):
             peak = runner.profile_run()
-            reserve = runner.measure_graph_reserve()
+            reserve = runner.measure_graph_reserve(earlier.graph_reserve_bytes if cached else None)
         with times.phase("kv_cache"):
             blocks = num_kv_blocks(config, runner.kv_cache_bytes_per_block(), runner.device, peak, reserve,
                                    runner.max_model_len)

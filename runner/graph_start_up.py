@@ -56,21 +56,24 @@ class GraphStartUp:
         place = (self.tp_rank, self.layer_range.start, self.layer_range.stop)
         return start_up_record.start_up_key(self.config, self.model_path, self.device, place)
 
-    def cache_holds_start_up(self) -> bool:
-        """Whether an earlier start-up of this configuration left every kernel in the cache
-        (runner/start_up_record.py): then `kernels_compiled_ahead(queue=False)` pays off."""
-        return self._compiles_ahead() and start_up_record.compiled_before(self.config.kernel.cache_dir,
-                                                                          self._start_up_key())
+    def earlier_start_up(self) -> start_up_record.StartUpRecord | None:
+        """The record an earlier start-up of this configuration left (runner/start_up_record.py): its
+        kernels are in the cache, so `kernels_compiled_ahead(queue=False)` pays off, and its
+        measured graph reserve serves again (`measure_graph_reserve(recorded=...)`)."""
+        if not self._compiles_ahead():
+            return None
+        return start_up_record.read(self.config.kernel.cache_dir, self._start_up_key())
 
     def record_start_up(self) -> None:
-        """After a start-up that captured its graphs: its kernels are in the cache now. A cache
-        folder that cannot be written costs the next start-up its shortcut, not this one its start."""
-        if self._compiles_ahead() and self.cuda_graph_ready:
+        """After a start-up that captured its graphs: its kernels are in the cache now, and its graph
+        reserve is known. A cache folder that cannot be written costs the next start-up its
+        shortcut, not this one its start."""
+        if self._compiles_ahead() and self.cuda_graph_ready and self.graph_reserve_bytes is not None:
             try:
-                start_up_record.record(self.config.kernel.cache_dir, self._start_up_key())
+                start_up_record.record(self.config.kernel.cache_dir, self._start_up_key(), self.graph_reserve_bytes)
             except OSError as error:
                 logger.warning("could not record this start-up in the kernel cache (%s); the next start-up "
-                               "runs the compile-ahead pass again", error)
+                               "runs the compile-ahead pass and measures the graph reserve again", error)
 
     @contextmanager
     def kernels_compiled_ahead(self, queue: bool = True) -> Iterator[None]:
@@ -85,7 +88,7 @@ class GraphStartUp:
         compiles then run while the block does its work: a launch of a kernel still compiling
         waits for that one. Leaving waits for the rest. A plain block on a CPU, with graphs off, with
         CompilationConfig.compile_threads=0, or with `queue` False (every rank found the record of
-        an earlier start-up of this configuration, `cache_holds_start_up`: the cached kernels load
+        an earlier start-up of this configuration, `earlier_start_up`: the cached kernels load
         at their first launch, sooner than the queue pass would find them)."""
         if not self._compiles_ahead():
             yield
@@ -147,7 +150,7 @@ class GraphStartUp:
         with torch.inference_mode(), self.capture_phase.capturing():
             self.capture_summary = capture_all(keys, lambda key: self._capture_one(*key),
                                                desc=f"capturing {self.cudagraph_mode.name} graphs",
-                                               estimate_bytes=getattr(self, "graph_reserve_bytes", None))
+                                               estimate_bytes=self.graph_reserve_bytes)
         wrappers = [w for w in (self.full, self.piecewise) if w is not None]
         if wrappers and wrappers[0].address_check is not AddressCheck.OFF:
             recorded = sum(w.address_record_seconds for w in wrappers)
@@ -158,8 +161,10 @@ class GraphStartUp:
         self.dispatcher.mark_ready()
         self.cuda_graph_ready = True
 
-    def measure_graph_reserve(self) -> int:
-        """Bytes the graphs will take: the largest graph of each runtime mode (uniform-decode and
+    def measure_graph_reserve(self, recorded: int | None = None) -> int:
+        """Bytes the graphs will take: `recorded` where an earlier start-up of this configuration
+        measured it (`earlier_start_up`; the same measurement would give the same bytes), else
+        measured now: the largest graph of each runtime mode (uniform-decode and
         mixed separately: the first computes the logits too) captured once into a throwaway pool of
         its own (against a one-block scratch KV cache) and measured; the reserve is the largest of
         these. That is the whole cost, not a sample of it: the real
@@ -169,7 +174,12 @@ class GraphStartUp:
         both largest graphs into one throwaway pool measured 1.56x the real cost on an H100:
         docs/PERFORMANCE.md.)"""
         if self.cudagraph_mode == CUDAGraphMode.NONE or self.device.type != "cuda":
+            self.graph_reserve_bytes = 0
             return 0
+        if recorded is not None:
+            self.graph_reserve_bytes = recorded
+            logger.info("graph memory from the record of an earlier start-up: %.1f MiB", recorded / 2**20)
+            return recorded
         largest = {}   # per mode, the largest uniform-decode graph (it holds the LM head: DecodeOutput) and mixed one
         for mode, desc in self.dispatcher.all_keys_to_capture():
             largest.setdefault((mode, desc.uniform_decode), desc)

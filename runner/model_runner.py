@@ -130,6 +130,8 @@ class ModelRunner(GraphStartUp):
         """How long `kernels_compiled_ahead` took to queue the compiles (0: not used)."""
         self.compile_wait_seconds = 0.0
         """How long leaving `kernels_compiled_ahead` waited for compiles nothing had needed yet."""
+        self.graph_reserve_bytes: int | None = None
+        """Memory the graphs will take, once `measure_graph_reserve` has measured (or recalled) it."""
         self.start_up_times = StartUpTimes()
         """Seconds of each start-up phase (runner/executor.start_model_runner fills it; the engine logs it)."""
         self.capture_phase = CapturePhase()

@@ -9,7 +9,8 @@ queued then and whether the variant is new (a launch of a kernel still compiling
 and gets the pending compile: "again"); Triton's cache hook, called just before, names it. After
 start-up, generating batches of several sizes compiles no greedy-argmax variant (start-up queued
 them all: runner/greedy.queue_variants); the hook lists what serving did compile. A second
-start-up on the filled cache skips the queue pass and compiles nothing."""
+start-up on the filled cache skips the queue pass and compiles nothing, and takes the graph reserve
+the first measured from its record."""
 
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ for batch in (1, 3, 7, 2):   # mixed prefill batches: the eager greedy argmax of
 print("COUNTS " + json.dumps({{"asked": asked, "serving": serving, "queue_s": round(runner.precompile_seconds, 2),
                               "wait_s": round(runner.compile_wait_seconds, 2),
                               "capture_s": round(runner.capture_summary.seconds, 2),
-                              "graphs": runner.capture_summary.num_graphs}}))
+                              "graphs": runner.capture_summary.num_graphs,
+                              "reserve": runner.graph_reserve_bytes}}))
 """
 
 
@@ -77,7 +79,7 @@ def _files(folder: Path) -> set[str]:
 def test_start_up_compiles_every_kernel_ahead(tmp_path):
     """The first start-up on an empty cache queues every compile; the second, in a fresh process on
     the same cache, finds the first's record (runner/start_up_record.py), skips the queue pass and
-    compiles nothing: the cache gains no kernel."""
+    compiles nothing (the cache gains no kernel), and sizes its KV cache with the recorded reserve."""
     cache = tmp_path / "kernel-cache"
     script = SCRIPT.format(root=str(ROOT), tmp=str(tmp_path), cache=str(cache))
     result = _start_up(script)
@@ -85,6 +87,7 @@ def test_start_up_compiles_every_kernel_ahead(tmp_path):
     again = _start_up(script)
     print({k: v for k, v in again.items() if k != "asked"})
     assert again["queue_s"] == 0 and not again["asked"] and again["graphs"] == result["graphs"]
+    assert again["reserve"] == result["reserve"] > 0   # recorded by the first, not measured again
     assert _files(cache / "triton") == filled
     for how, new, name in result["asked"]:
         print(how, new, name)

@@ -174,46 +174,58 @@ def test_queued_sampling_repeats_the_profile_runs_sampler_call_without_logprobs(
 
 
 def test_a_start_up_with_graphs_leaves_a_record_the_next_one_finds(runner_factory, monkeypatch, tmp_path):
-    """record_start_up writes the record of this configuration once its graphs are captured (only
-    where kernels compile ahead: a GPU with graphs), and cache_holds_start_up finds it; another
-    configuration does not."""
+    """record_start_up writes the record of this configuration, with its graph reserve, once its
+    graphs are captured (only where kernels compile ahead: a GPU with graphs), and earlier_start_up
+    finds it; another configuration does not."""
     runner, _ = runner_factory("FULL_AND_PIECEWISE")
     runner.config.kernel.cache_dir = str(tmp_path)
     runner.record_start_up()   # on a CPU nothing compiles ahead: no record
-    assert not runner.cache_holds_start_up() and not (tmp_path / "triton").exists()
+    assert runner.earlier_start_up() is None and not (tmp_path / "triton").exists()
     monkeypatch.setattr(runner, "_compiles_ahead", lambda: True)
     runner.cuda_graph_ready = False
+    runner.graph_reserve_bytes = 94 << 20
     runner.record_start_up()   # graphs not captured: no record
-    assert not runner.cache_holds_start_up()
+    assert runner.earlier_start_up() is None
     runner.cuda_graph_ready = True
     runner.record_start_up()
-    assert runner.cache_holds_start_up()
+    assert runner.earlier_start_up().graph_reserve_bytes == 94 << 20
     runner.config.scheduler.max_num_seqs = 4
-    assert not runner.cache_holds_start_up()
+    assert runner.earlier_start_up() is None
     runner.config.kernel.cache_dir = str(tmp_path / "file")
     (tmp_path / "file").write_text("")   # a cache folder that cannot be made: a warning, no error
     runner.record_start_up()
-    assert not runner.cache_holds_start_up()
+    assert runner.earlier_start_up() is None
+
+
+def test_a_recorded_graph_reserve_replaces_the_measurement(runner_factory, monkeypatch):
+    """With a recorded reserve the measurement's captures do not run and the KV cache is sized with
+    the recorded bytes; without one the reserve is measured (0 on a CPU)."""
+    runner, _ = runner_factory("FULL_AND_PIECEWISE")
+    monkeypatch.setattr(runner, "device", torch.device("cuda"))   # only the check of the device type reads it
+    monkeypatch.setattr(runner, "_build_graph_wrappers", lambda pool: pytest.fail("measured a recorded reserve"))
+    assert runner.measure_graph_reserve(recorded=94 << 20) == 94 << 20 == runner.graph_reserve_bytes
 
 
 @pytest.mark.parametrize("held, agreed, queued", [(True, None, False), (False, None, True), (True, 0, True),
                                                   (False, 1, True)])
 def test_start_up_skips_the_queue_pass_only_where_every_rank_holds_the_record(runner_factory, monkeypatch,
                                                                               held, agreed, queued):
-    """The queue pass runs the model's collectives, so ranks skip it together: the minimum over
-    the ranks (`agreement.min`) of whether each holds its record."""
+    """The queue pass and the reserve's captures run the model's collectives, so ranks skip them
+    together: the minimum over the ranks (`agreement.min`) of whether each holds its record."""
     from contextlib import contextmanager
 
     from runner import executor
+    from runner.start_up_record import StartUpRecord
     runner, config = runner_factory("FULL_AND_PIECEWISE")
-    monkeypatch.setattr(runner, "cache_holds_start_up", lambda: held)
-    seen = []
+    monkeypatch.setattr(runner, "earlier_start_up", lambda: StartUpRecord(94 << 20) if held else None)
+    seen, reserves = [], []
 
     @contextmanager
     def compiled_ahead(queue=True):
         seen.append(queue)
         yield
     monkeypatch.setattr(runner, "kernels_compiled_ahead", compiled_ahead)
+    monkeypatch.setattr(runner, "measure_graph_reserve", lambda recorded=None: reserves.append(recorded) or 0)
 
     class OneRankAgreement:   # this rank alone, except that another rank answers `agreed` to the first min
         asked = 0
@@ -229,6 +241,7 @@ def test_start_up_skips_the_queue_pass_only_where_every_rank_holds_the_record(ru
     runner.dispatcher.mode = CUDAGraphMode.NONE
     executor.start_model_runner(runner, config, None if agreed is None else OneRankAgreement())
     assert seen == [queued]
+    assert reserves == [None if queued else 94 << 20]
 
 
 def test_without_the_queue_pass_compiling_ahead_runs_no_forward(runner_factory, monkeypatch):

@@ -395,7 +395,7 @@ def bench_engine(shape: str, folder: Path, mode: str, args, tensor_parallel_size
     summary = getattr(runner, "capture_summary", None)
     figures = EngineFigures(shape=shape, mode=label, resolved_mode=runner.cudagraph_mode.name, startup_s=startup,
                             async_scheduling=llm.engine.async_scheduling, cuda_graph_ready=runner.cuda_graph_ready,
-                            graph_reserve_bytes=int(getattr(runner, "graph_reserve_bytes", 0) or 0))
+                            graph_reserve_bytes=runner.graph_reserve_bytes or 0)
     if summary is not None:
         figures.num_graphs, figures.capture_s, figures.pool_bytes = (summary.num_graphs, summary.seconds,
                                                                       summary.pool_bytes)
