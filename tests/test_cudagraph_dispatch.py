@@ -56,7 +56,9 @@ def test_fallback_logged_once(caplog):
 
 
 def test_default_capture_sizes():
-    assert default_capture_sizes() == [1, 2, 4, 8] + list(range(16, 513, 8))
+    assert default_capture_sizes() == [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))   # vLLM's
+    assert len(default_capture_sizes()) == 51
+    assert default_capture_sizes(300) == [1, 2, 4] + list(range(8, 256, 8)) + [256, 272, 288]
     assert default_capture_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
     assert default_capture_sizes(20) == [1, 2, 4, 8, 16]
     assert default_capture_sizes(3) == [1, 2]
