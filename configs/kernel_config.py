@@ -60,6 +60,11 @@ class KernelConfig(BaseModel):
         "CUDA: output columns a program of the one-row GEMV kernels owns (gate/up and RoPE column pairs at "
         "half of it); None: the measured rule of models/small_batch_kernels.one_row_block_n "
         "[GRAPHRUNNER_ONE_ROW_BLOCK_N]", int)
+    one_row_block_k: Literal[1024, 2048, 4096, 8192] | None = _field(
+        "GRAPHRUNNER_ONE_ROW_BLOCK_K", "one_row_block_k", None,
+        "CUDA: input columns a program of the one-row GEMV kernels loads per step of its K loop (down to K's "
+        "power of two; the first is requested before the kernel waits for its input); None: the measured "
+        "ONE_ROW_TILES of models/small_batch_kernels [GRAPHRUNNER_ONE_ROW_BLOCK_K]", int)
     min_split_tiles: int = _field("GRAPHRUNNER_MIN_SPLIT_TILES", "min_split_tiles", 1,
                                   "CUDA: the fewest KV tiles one split-KV attention program takes "
                                   "[GRAPHRUNNER_MIN_SPLIT_TILES]", ge=1)

@@ -225,6 +225,17 @@ def one_row_block_n() -> int:
     return active_kernel_config().one_row_block_n or ONE_ROW_TILES["block_n"]
 
 
+def one_row_block_k() -> int:
+    """BLOCK_K of a one-row GEMV on a GPU: KernelConfig.one_row_block_k when set, else ONE_ROW_TILES'.
+    A program requests its first K tile before it waits for the kernel producing x (PDL), so a wider
+    tile would stream more of its weight while that kernel (an all-reduce, under tensor parallelism)
+    ends; measured in the step it loses more than that gains: Llama-3-8B bs 1 on two H200s, TP=1 /
+    TP=2 4.49 / 2.80 ms with 1024, 4.77 / 2.94 with 2048, 6.17 / 3.62 with 4096
+    (`GRAPHRUNNER_ONE_ROW_BLOCK_K=N graphrunner bench decode --shapes llama-3-8b --modes FULL
+    --batch-sizes 1 --tensor-parallel-size 1 2`; docs/PERFORMANCE.md, "One-row GEMV tiles")."""
+    return active_kernel_config().one_row_block_k or ONE_ROW_TILES["block_k"]
+
+
 def block_sizes(rows: int, n: int, k: int, dtype: torch.dtype, device: torch.device, gated: bool = False):
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for `rows` x [n outputs, k inputs]. One row on a GPU:
     ONE_ROW_TILES (BLOCK_K down to K's power of two). Otherwise untuned: BLOCK_N is the largest
@@ -236,7 +247,7 @@ def block_sizes(rows: int, n: int, k: int, dtype: torch.dtype, device: torch.dev
     if block_m == 1 and device.type == "cuda":
         t = ONE_ROW_TILES
         block_n = one_row_block_n() // (2 if gated else 1)
-        return 1, block_n, max(16, min(t["block_k"], triton.next_power_of_2(k))), t["num_warps"]
+        return 1, block_n, max(16, min(one_row_block_k(), triton.next_power_of_2(k))), t["num_warps"]
     sms = num_sms(device) if device.type == "cuda" else INTERPRETER_SMS
     min_n = 8 if block_m == 1 else 16
     block_n = 64

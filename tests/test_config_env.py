@@ -67,6 +67,7 @@ EVERY_SWITCH = {
     "GRAPHRUNNER_FUSED_OPS": ("off", False),
     "GRAPHRUNNER_HOME": ("/tmp/gr-home", "/tmp/gr-home"),
     "GRAPHRUNNER_MIN_SPLIT_TILES": ("4", 4),
+    "GRAPHRUNNER_ONE_ROW_BLOCK_K": ("4096", 4096),
     "GRAPHRUNNER_ONE_ROW_BLOCK_N": ("4", 4),
     "GRAPHRUNNER_PDL": ("0", False),
     "GRAPHRUNNER_PP_STEP_TIMEOUT_S": ("0", 0.0),

@@ -149,6 +149,10 @@ def test_block_sizes_fill_the_gpu_and_fit_the_paths(monkeypatch):
     with using_kernel_config(one_row_block_n=4):   # the switch for measuring other tiles in the step
         assert sbk.block_sizes(1, 4096, 14336, torch.bfloat16, cuda) == (1, 4, 1024, 4)
         assert sbk.block_sizes(1, 1536, 576, torch.bfloat16, cuda, gated=True) == (1, 2, 1024, 4)
+    with using_kernel_config(one_row_block_k=4096):
+        assert sbk.block_sizes(1, 4096, 14336, torch.bfloat16, cuda) == (1, 2, 4096, 4)
+        assert sbk.block_sizes(1, 960, 576, torch.bfloat16, cuda) == (1, 2, 1024, 4)   # K's power of two
+        assert sbk.qkv_rope_block_sizes(2048, 6144, 4096, torch.bfloat16, cuda) == (1, 4096)
     # The interpreter keeps few, wide programs (its cost is per program).
     assert sbk.block_sizes(1, 960, 576, torch.float32, torch.device("cpu"))[1] >= 8
 
