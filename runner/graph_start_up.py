@@ -163,7 +163,7 @@ class GraphStartUp:
 
     def measure_graph_reserve(self, recorded: int | None = None) -> int:
         """Bytes the graphs will take: `recorded` where an earlier start-up of this configuration
-        measured it (`earlier_start_up`; the same measurement would give the same bytes), else
+        measured it (`earlier_start_up`; measuring again gives the same within a few MiB), else
         measured now: the largest graph of each runtime mode (uniform-decode and
         mixed separately: the first computes the logits too) captured once into a throwaway pool of
         its own (against a one-block scratch KV cache) and measured; the reserve is the largest of
