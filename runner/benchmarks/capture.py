@@ -3,8 +3,9 @@
     graphrunner bench capture [--shape smollm2-135m] [--modes FULL_AND_PIECEWISE PIECEWISE FULL]
         [--gpu-memory-utilization 0.5] [--cold] [--serve N] [--out DIR]
 
-Builds the engine as a user would (default capture sizes 1, 2, 4, 8, 16, 24, ... 512, default
-max_num_seqs 256), with dummy bf16 weights of the shape, and prints per mode: graphs captured,
+Builds the engine as a user would (the default capture sizes of
+runner/cudagraph/dispatcher.default_capture_sizes, default max_num_seqs 256), with dummy bf16
+weights of the shape, and prints per mode: graphs captured,
 seconds spent queuing the start-up's kernel compiles (`ModelRunner.kernels_compiled_ahead`: the
 compiles then run on threads during the profile run, reserve measurement and capture;
 GRAPHRUNNER_COMPILE_THREADS=0 compiles each kernel at its first launch instead) and waiting for
