@@ -24,7 +24,6 @@ a 2-core CPU: 49 ms for the whole model, against 2.4 s for `isfinite(t).all()` p
 
 from __future__ import annotations
 
-
 import json
 import logging
 import re

@@ -42,12 +42,12 @@ from runner.start_up_times import StartUpTimes
 logger = logging.getLogger(__name__)
 
 CPU_PROFILE_TOKENS = 2
-PROFILE_SAMPLING = SamplingParams(top_k=50, top_p=0.9, logprobs=5)
-"""What every row of the profile run samples with: the candidates pass, the thresholds, the random
-draw and the logprobs, so their memory is in the peak and their kernels are compiled at start-up."""
 """Tokens of the CPU profile run: it only has to run the no-KV-cache path once (see `profile_run`).
 Two: attention across positions, and below the row counts that count towards packing a linear's
 weight (models/layers.PACKED_MIN_ROWS), so the profile run alone never causes a pack."""
+PROFILE_SAMPLING = SamplingParams(top_k=50, top_p=0.9, logprobs=5)
+"""What every row of the profile run samples with: the candidates pass, the thresholds, the random
+draw and the logprobs, so their memory is in the peak and their kernels are compiled at start-up."""
 
 
 @dataclasses.dataclass
