@@ -91,10 +91,11 @@ class _HeldPool(Executor):
         self.holding, self.held = False, []
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
+        call = functools.partial(_with_launcher, functools.partial(fn, *args, **kwargs))
         if not self.holding:
-            return self.pool.submit(fn, *args, **kwargs)
+            return self.pool.submit(call)
         future: Future = Future()
-        self.held.append((future, functools.partial(fn, *args, **kwargs)))
+        self.held.append((future, call))
         return future
 
     def release(self) -> None:
@@ -105,6 +106,31 @@ class _HeldPool(Executor):
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         self.release()
         self.pool.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+
+def _launcher_builder() -> Any:
+    """Triton's launcher class of the active driver (`CompiledKernel._init_handles` makes one per kernel)."""
+    from triton.runtime import driver
+    return driver.active.launcher_cls
+
+
+def _with_launcher(compile_call) -> Any:
+    """`compile_call()` (a Triton compile: a CompiledKernel), then that kernel's host launcher built on
+    this thread too. Why: Triton 3.6 generates a C launcher per kernel signature and compiles it with
+    the host's C compiler at the kernel's first launch, 0.25-0.9 s each; a start-up with empty caches
+    met about 20, one after another on the main thread, 6.8 s of a 17 s start-up on an H100's host
+    (docs/PERFORMANCE.md, "GPU LLM(...) to ready"). Built here, on the compile threads, they compile in
+    parallel and the first launch finds them in Triton's cache (a newer Triton without per-kernel
+    launchers makes this cheap). Best effort: a launcher that fails to build here is built, and its
+    error raised, at the first launch as before."""
+    kernel = compile_call()
+    src, metadata = getattr(kernel, "src", None), getattr(kernel, "metadata", None)
+    if src is not None and metadata is not None:
+        try:
+            _launcher_builder()(src, metadata)
+        except Exception as error:  # noqa: BLE001 - the first launch builds it again and reports
+            logger.debug("building the launcher of %s ahead failed: %s", getattr(kernel, "name", kernel), error)
+    return kernel
 
 
 def _run_into(future: Future, call) -> None:

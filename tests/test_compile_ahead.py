@@ -151,3 +151,28 @@ def test_compiles_submitted_while_queuing_start_when_queuing_ends(fake_mode):
             failing.result(timeout=10)
         assert ahead._pool.submit(lambda: 7).result(timeout=10) == 7
     assert ahead._pool is None
+
+
+def test_each_compiled_kernel_gets_its_launcher_built_on_the_compile_thread(fake_mode, monkeypatch):
+    """A compile's result (a CompiledKernel: src, metadata) has its host launcher built right after,
+    on the same compile thread, held or not; results without them, and a launcher that fails to
+    build, leave the compile's result as it was (the first launch builds it again)."""
+    import threading
+    from types import SimpleNamespace
+    built = []
+
+    def builder(src, metadata):
+        if src == "bad":
+            raise RuntimeError("no C compiler")
+        built.append((src, metadata, threading.current_thread().name))
+
+    monkeypatch.setattr(ahead, "_launcher_builder", lambda: builder)
+    kernel, bad = SimpleNamespace(src="src", metadata="meta"), SimpleNamespace(src="bad", metadata="meta")
+    with ahead.compile_ahead(2):
+        with ahead.queuing_launches():
+            held = ahead._pool.submit(lambda: kernel)
+        assert held.result(timeout=10) is kernel
+        assert ahead._pool.submit(lambda: bad).result(timeout=10) is bad
+        assert ahead._pool.submit(lambda: 7).result(timeout=10) == 7
+    assert [(s, m) for s, m, _ in built] == [("src", "meta")]
+    assert built[0][2].startswith("triton-compile")
