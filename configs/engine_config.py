@@ -127,6 +127,12 @@ class CompilationConfig(_Config):
         default_factory=env_default("GRAPHRUNNER_STEP_GRAPH", "CompilationConfig.step_graph", True),
         description="replay a PIECEWISE graph as one CUDA graph with the attention as kernel nodes; off: "
                     "segment by segment from Python [GRAPHRUNNER_STEP_GRAPH]")
+    warm_up_every_capture: bool = Field(
+        default_factory=env_default("GRAPHRUNNER_WARM_UP_EVERY_CAPTURE", "CompilationConfig.warm_up_every_capture",
+                                    False),
+        description="run each graph's forward eagerly before capturing it; off: only the first capture of each "
+                    "mode does, and later captures run in CUDA's relaxed capture mode, where a kernel variant "
+                    "loads inside the capture (runner/cudagraph/wrapper.py) [GRAPHRUNNER_WARM_UP_EVERY_CAPTURE]")
     compile_threads: int | None = Field(
         default_factory=env_default("GRAPHRUNNER_COMPILE_THREADS", "CompilationConfig.compile_threads", None, int),
         ge=0, description="threads that compile the start-up's Triton kernels ahead of their first launch; "

@@ -166,10 +166,12 @@ class ModelRunner(GraphStartUp):
         if self.cudagraph_mode.has_piecewise():
             forward = self.piecewise = CUDAGraphWrapper(forward, CUDAGraphMode.PIECEWISE, pool,
                                                         self.capture_phase, check, self.graph_factory,
-                                                        step_graph=self.config.compilation.step_graph)
+                                                        step_graph=compilation.step_graph,
+                                                        warm_up_every_capture=compilation.warm_up_every_capture)
         if self.cudagraph_mode.has_full():
             forward = self.full = CUDAGraphWrapper(forward, CUDAGraphMode.FULL, pool, self.capture_phase, check,
-                                                   self.graph_factory)
+                                                   self.graph_factory,
+                                                   warm_up_every_capture=compilation.warm_up_every_capture)
         self.forward = forward
 
     def release_cuda_graphs(self) -> None:

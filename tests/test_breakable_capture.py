@@ -34,10 +34,10 @@ class FakeGraphForTests:
         FakeGraphForTests.count += 1
         self.id, self.thunks, self.pool = FakeGraphForTests.count, [], "unset"
 
-    def capture_begin(self, pool=None) -> None:
+    def capture_begin(self, pool=None, capture_error_mode="global") -> None:
         if FakeGraphForTests.capturing is not None:
             raise RuntimeError("fake graphs cannot nest either")
-        self.pool, FakeGraphForTests.capturing = pool, self
+        self.pool, self.capture_error_mode, FakeGraphForTests.capturing = pool, capture_error_mode, self
         self.mode = _RecordCopies()
         self.mode.__enter__()
         EVENTS.append(("begin", self.id))
@@ -464,6 +464,78 @@ def test_full_graphs_of_one_wrapper_share_their_output_buffers():
     base = outs[4][0].data_ptr(), outs[4][1].data_ptr()
     assert all((outs[n][0].data_ptr(), outs[n][1].data_ptr()) == base for n in (2, 1))
     assert [o.shape[0] for o in outs[2]] == [2, 2] and outs[8][0].data_ptr() != base[0]
+    assert wrapper.warm_ups == 2   # the first capture, and 8's, whose output outgrew the buffers
+
+
+def _capture_sizes(mode, sizes, **kwargs):
+    """A wrapper of `mode` that captured one graph per size (in order); the graphs' capture modes."""
+    phase = CapturePhase()
+    wrapper = CUDAGraphWrapper(counted_forward, mode, None, phase, False, FakeGraphForTests, **kwargs)
+    begun = len(EVENTS)
+    with phase.capturing():
+        for rows in sizes:
+            x = torch.randn(rows, 3)
+            with set_forward_context(_context(mode, BD(rows, rows if mode == M.FULL else 0, mode == M.FULL))):
+                torch.testing.assert_close(wrapper(x), expected(x, 2.0))
+            for _ in range(2):   # replays compute with the step's inputs
+                x.copy_(torch.randn(rows, 3))
+                with set_forward_context(_context(mode, BD(rows, rows if mode == M.FULL else 0, mode == M.FULL))):
+                    torch.testing.assert_close(wrapper(x), expected(x, 2.0))
+    return wrapper, [e for e in EVENTS[begun:] if e[0] == "begin"]
+
+
+@pytest.mark.parametrize("mode", [M.FULL, M.PIECEWISE])
+def test_only_the_first_capture_warms_up_and_later_ones_capture_relaxed(mode):
+    """A warm-up costs about a capture: the wrapper runs the forward eagerly before its first capture
+    only, then captures each later size at once in CUDA's relaxed mode (which lets a kernel variant
+    load inside the capture); the replays still compute each step's values."""
+    CALLS["forward"] = 0
+    wrapper, begins = _capture_sizes(mode, (4, 2, 1))
+    assert wrapper.warm_ups == 1 and CALLS["forward"] == 1 + 3
+    graphs = [e.graph for e in wrapper._entries.values()]
+    modes = [g.capture_error_mode for g in graphs] if mode == M.FULL else \
+        [{s.capture_error_mode for s in g.segments} for g in graphs]
+    assert modes == (["global", "relaxed", "relaxed"] if mode == M.FULL else [{"global"}, {"relaxed"}, {"relaxed"}])
+    assert len(begins) == (3 if mode == M.FULL else 3 * 2)   # one attention break per PIECEWISE graph
+
+
+def test_the_largest_graph_of_each_kind_of_batch_warms_up():
+    """Uniform-decode and mixed graphs differ (a decode step's computes the logits): the first, largest
+    capture of each warms up, as the graph-memory measurement captures those two after a warm-up."""
+    phase = CapturePhase()
+    wrapper = CUDAGraphWrapper(counted_forward, M.FULL, None, phase, False, FakeGraphForTests)
+    with phase.capturing():
+        for rows, uniform in ((8, False), (4, False), (4, True), (2, True), (2, False)):
+            with set_forward_context(_context(M.FULL, BD(rows, rows, uniform))):
+                wrapper(torch.randn(rows, 3))
+    modes = {(d.num_tokens, d.uniform_decode): e.graph.capture_error_mode for d, e in wrapper._entries.items()}
+    assert wrapper.warm_ups == 2
+    assert modes == {(8, False): "global", (4, False): "relaxed", (4, True): "global", (2, True): "relaxed",
+                     (2, False): "relaxed"}
+    wrapper.release_graphs()   # graphs captured again after a release warm up again
+    with phase.capturing(), set_forward_context(_context(M.FULL, BD(2, 2, True))):
+        wrapper(torch.randn(2, 3))
+    assert wrapper.warm_ups == 3
+
+
+@pytest.mark.parametrize("mode", [M.FULL, M.PIECEWISE])
+def test_warm_up_every_capture_warms_each_capture_and_keeps_the_global_mode(mode):
+    CALLS["forward"] = 0
+    wrapper, _ = _capture_sizes(mode, (4, 2, 1), warm_up_every_capture=True)
+    assert wrapper.warm_ups == 3 and CALLS["forward"] == 2 * 3
+    for entry in wrapper._entries.values():
+        segments = [entry.graph] if mode == M.FULL else entry.graph.segments
+        assert {s.capture_error_mode for s in segments} == {"global"}
+
+
+def test_a_full_capture_needing_a_new_output_buffer_is_dropped_and_redone_after_a_warm_up():
+    """Inside a capture a new buffer would come from the graph pool: the capture that finds no shared
+    buffer for its output (here a larger one) ends unused, and the size warms up and captures again."""
+    CALLS["forward"] = 0
+    wrapper, begins = _capture_sizes(M.FULL, (2, 4))
+    assert wrapper.warm_ups == 2 and len(begins) == 3 and wrapper.num_captured == 2
+    assert CALLS["forward"] == 2 + 3   # warm-up + capture of 2; the dropped capture, warm-up, capture of 4
+    assert [e.graph.capture_error_mode for e in wrapper._entries.values()] == ["global", "global"]
 
 
 # ---- capture phase -------------------------------------------------------------------------

@@ -161,7 +161,7 @@ def test_kv_required_model_survives_warm_up(tiny, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "PIECEWISE", "FULL"])
 def test_graph_memory_estimate_within_15_percent_at_default_sizes(tmp_path, mode):
-    """Issue 4's goal on a real shape: SmolLM2-135M (dummy bf16 weights), the default 67 capture
+    """Issue 4's goal on a real shape: SmolLM2-135M (dummy bf16 weights), the default capture
     sizes; the reserve the KV budget subtracted vs the pool growth of the real capture."""
     from runner import LLM
     from runner.benchmarks.model_shapes import write_config

@@ -26,7 +26,7 @@ class NoOpGraphForTests:
     """Stands in for torch.cuda.CUDAGraph on a CPU: counts captures, replays nothing."""
     captures = 0
 
-    def capture_begin(self, pool=None) -> None:
+    def capture_begin(self, pool=None, capture_error_mode="global") -> None:
         NoOpGraphForTests.captures += 1
 
     def capture_end(self) -> None:

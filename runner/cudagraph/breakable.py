@@ -49,7 +49,7 @@ from runner.cudagraph import step_graph
 
 
 class GraphLike(Protocol):
-    def capture_begin(self, pool: Any = None) -> None: ...
+    def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None: ...
     def capture_end(self) -> None: ...
     def replay(self) -> None: ...
 
@@ -221,10 +221,13 @@ class BreakableCapture:
     a FULL capture (no BreakableCapture) records attention like any other op."""
 
     def __init__(self, pool: Any, graph_factory: Callable[[], GraphLike] = CUDA_GRAPHS,
-                 step_graph: bool = True) -> None:
+                 step_graph: bool = True, capture_error_mode: str = "global") -> None:
         """`step_graph`: offer the captured graph a step graph (`native_step_graph`); False: every replay
-        runs from Python (CompilationConfig.step_graph)."""
+        runs from Python (CompilationConfig.step_graph). `capture_error_mode`: torch's name for CUDA's
+        stream capture mode of every segment ("relaxed" for a capture without a warm-up before it,
+        CUDAGraphWrapper._capture)."""
         self.pool, self.graph_factory, self.step_graph = pool, graph_factory, step_graph
+        self.capture_error_mode = capture_error_mode
         self._segments: list[GraphLike] = []
         self._breaks: list[BreakRecord] = []
         self._open: GraphLike | None = None
@@ -232,7 +235,7 @@ class BreakableCapture:
 
     def _begin_segment(self) -> None:
         graph = getattr(self.graph_factory, "kept", self.graph_factory)()
-        graph.capture_begin(pool=self.pool)
+        graph.capture_begin(pool=self.pool, capture_error_mode=self.capture_error_mode)
         self._open = graph
         self._segments.append(graph)
 

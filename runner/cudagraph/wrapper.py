@@ -94,16 +94,24 @@ class CUDAGraphWrapper:
 
     def __init__(self, runnable: Callable[..., Any], runtime_mode: CUDAGraphMode, pool: Any,
                  capture_phase: CapturePhase, address_check: AddressCheck | bool = AddressCheck.FIRST_REPLAY,
-                 graph_factory: Callable[[], GraphLike] = CUDA_GRAPHS, step_graph: bool = True) -> None:
+                 graph_factory: Callable[[], GraphLike] = CUDA_GRAPHS, step_graph: bool = True,
+                 warm_up_every_capture: bool = False) -> None:
         """`address_check`: AddressCheck.from_config(CompilationConfig's check_cudagraph_addresses,
         debug_cudagraph_addresses); `step_graph`: CompilationConfig.step_graph (PIECEWISE graphs may
-        replay as one step graph, runner/cudagraph/step_graph.py)."""
+        replay as one step graph, runner/cudagraph/step_graph.py); `warm_up_every_capture`:
+        CompilationConfig.warm_up_every_capture (`_capture` says what it changes)."""
         if runtime_mode not in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE):
             raise ValueError(f"a graph wrapper runs FULL or PIECEWISE graphs, not {runtime_mode.name}")
         self.runnable, self.runtime_mode, self.pool = runnable, runtime_mode, pool
         self.capture_phase, self.graph_factory = capture_phase, graph_factory
         self.address_check = AddressCheck.of(address_check)
         self.step_graph = step_graph
+        self.warm_up_every_capture = warm_up_every_capture
+        self.warm_ups = 0
+        """Eager runs before a capture (with `warm_up_every_capture` off: the first capture's of each
+        kind of batch, and one per output structure the shared buffers did not have yet)."""
+        self._warmed_kinds: set[bool] = set()
+        """`uniform_decode` of the batches whose first (largest) capture warmed up."""
         self.address_record_seconds = 0.0
         """Time spent recording addresses at capture."""
         self.first_replay_check_seconds = 0.0
@@ -132,9 +140,12 @@ class CUDAGraphWrapper:
         return list(self._entries)
 
     def release_graphs(self) -> None:
-        """Forget every captured graph (a descriptor called again captures anew). Dropping the last
-        reference destroys the graph and returns its memory to the pool."""
+        """Forget every captured graph (a descriptor called again captures anew, the first one after
+        a warm-up: after the throwaway capture that measures graph memory, the real largest graph then
+        costs what was measured, its warm-up's activations included). Dropping the last reference
+        destroys the graph and returns its memory to the pool."""
         self._entries.clear()
+        self._warmed_kinds.clear()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         context = get_forward_context()
@@ -187,19 +198,31 @@ class CUDAGraphWrapper:
         return {"args": args, "kwargs": kwargs, "breaks": graph.break_inputs()}
 
     def _capture(self, context: Any, args: tuple, kwargs: dict) -> _Entry:
-        """Warm up eagerly once (lazy init, Triton compiles and autotuning cannot run inside a
-        capture), then capture, both on the capture stream."""
+        """Capture on the capture stream, after an eager warm-up when one is needed.
+
+        A warm-up does what cannot happen inside a capture in CUDA's default ("global") capture mode:
+        lazy initialisation, and loading each kernel variant's module at its first launch (the driver
+        refuses cuModuleLoadData while a stream captures). It also gives a FULL graph its output's
+        structure. It costs about as long as the capture itself, so with `warm_up_every_capture`
+        off only the first capture of each kind of batch (uniform decode, which computes the logits
+        too, and mixed) warms up: the largest, whose warm-up activations are part of the graph
+        memory that `GraphStartUp.measure_graph_reserve` measures on the same two graphs. Later
+        captures run at once in "relaxed" mode, where a variant not loaded yet (another batch size's
+        tile or specialisation) loads inside the capture. A FULL capture whose output needs a shared
+        buffer that does not exist yet (a new output structure) is ended and redone after a warm-up,
+        since a buffer made inside the capture would live in the pool."""
+        kind = context.batch_descriptor.uniform_decode
         with capture_stream(self.graph_factory):
-            warm = self.runnable(*args, **kwargs)
-            if self.runtime_mode == CUDAGraphMode.FULL:
-                output = self._output_views(warm)
+            graph = output = None
+            if not self.warm_up_every_capture and kind in self._warmed_kinds:
+                graph, output = self._capture_graph(None, args, kwargs, capture_error_mode="relaxed")
+            if graph is None:
+                warm = self.runnable(*args, **kwargs)
+                self.warm_ups += 1
+                self._warmed_kinds.add(kind)
+                like = self._output_views(warm) if self.runtime_mode == CUDAGraphMode.FULL else None
                 del warm
-                graph, output = self._capture_full(output, args, kwargs)
-            else:
-                del warm
-                with BreakableCapture(self.pool, self.graph_factory, self.step_graph) as capture:
-                    output = _map_tensors(_alias, self.runnable(*args, **kwargs))
-                graph = capture.graph
+                graph, output = self._capture_graph(like, args, kwargs, capture_error_mode="global")
         recorder = None
         if self.address_check is not AddressCheck.OFF:
             started = time.perf_counter()
@@ -208,34 +231,55 @@ class CUDAGraphWrapper:
             self.address_record_seconds += time.perf_counter() - started
         return _Entry(graph, output, recorder)
 
-    def _output_views(self, like: Any) -> Any:
+    def _capture_graph(self, output: Any, args: tuple, kwargs: dict,
+                       capture_error_mode: str) -> tuple[GraphLike | BreakableGraph | None, Any]:
+        """(graph, output) of one capture in this wrapper's mode; FULL: `output` as `_output_views`
+        made it, or None to take the views from the captured result ((None, None) if that needs a
+        new buffer)."""
+        if self.runtime_mode == CUDAGraphMode.FULL:
+            return self._capture_full(output, args, kwargs, capture_error_mode)
+        with BreakableCapture(self.pool, self.graph_factory, self.step_graph, capture_error_mode) as capture:
+            output = _map_tensors(_alias, self.runnable(*args, **kwargs))
+        return capture.graph, output
+
+    def _output_views(self, like: Any, grow: bool = True) -> Any:
         """`like`'s structure as views [:rows] of the shared output buffers (outside the pool),
         a buffer grown when a larger output comes (captures go largest first, so normally never;
-        earlier graphs keep the old buffer alive through their views). `pool_fields` stay as they are."""
+        earlier graphs keep the old buffer alive through their views). `pool_fields` stay as they are.
+        `grow=False` (inside a capture, where a new buffer would be allocated in the pool): None
+        instead of growing or adding a buffer."""
         views = []
         for position, t in enumerate(_tensors(like, pooled=False)):
             key = (position, t.dtype, tuple(t.shape[1:]))
             buf = self._shared_output.get(key)
             if buf is None or buf.shape[0] < t.shape[0]:
+                if not grow:
+                    return None
                 buf = self._shared_output[key] = torch.empty_like(t)
             views.append(buf[:t.shape[0]])
         views = iter(views)
         return _map_tensors(lambda _: next(views), like, pooled=False)
 
-    def _capture_full(self, output: Any, args: tuple, kwargs: dict) -> tuple[GraphLike, Any]:
+    def _capture_full(self, output: Any, args: tuple, kwargs: dict,
+                      capture_error_mode: str) -> tuple[GraphLike | None, Any]:
         """One graph for the whole forward; its result is copied, inside the graph, into
         `output` (shared buffers outside the pool), so the pool's blocks all return to the pool
         for the next capture while the result stays at a fixed address. Returns the graph and
-        `output` with its `pool_fields` set to non-owning aliases of the captured tensors."""
+        `output` with its `pool_fields` set to non-owning aliases of the captured tensors.
+        `output` None: views of the existing shared buffers shaped like the captured result; when
+        they lack one, the capture is ended and dropped and (None, None) returned."""
         graph = self.graph_factory()
-        graph.capture_begin(pool=self.pool)
+        graph.capture_begin(pool=self.pool, capture_error_mode=capture_error_mode)
         try:
             result = self.runnable(*args, **kwargs)
-            for dst, src in zip(_tensors(output, pooled=False), _tensors(result, pooled=False), strict=True):
-                dst.copy_(src)
-            pooled = {name: _alias(getattr(result, name)) for name in _pool_fields(result)}
-            if pooled:
-                output = dataclasses.replace(output, **pooled)
+            if output is None:
+                output = self._output_views(result, grow=False)
+            if output is not None:
+                for dst, src in zip(_tensors(output, pooled=False), _tensors(result, pooled=False), strict=True):
+                    dst.copy_(src)
+                pooled = {name: _alias(getattr(result, name)) for name in _pool_fields(result)}
+                if pooled:
+                    output = dataclasses.replace(output, **pooled)
             del result
         except BaseException:
             try:
@@ -244,4 +288,4 @@ class CUDAGraphWrapper:
                 pass  # the capture is already broken; the original error says why
             raise
         _end_capture(graph)
-        return graph, output
+        return (graph, output) if output is not None else (None, None)
