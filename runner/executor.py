@@ -76,12 +76,27 @@ class UniProcExecutor:
         self.model_runner = ModelRunner(config, spec, model_path, device, dtype, max_model_len)
         self.num_blocks = start_model_runner(self.model_runner, config)
 
+        self.shut_down = False
+
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._require_running()
         return self.model_runner.execute(sched)
 
     def execute_async(self, sched: SchedulerOutput) -> PendingOutput:
         """Launch the step and return at once (async scheduling); `.resolve()` gives its tokens."""
+        self._require_running()
         return self.model_runner.execute_async(sched)
 
+    def _require_running(self) -> None:
+        if self.shut_down:
+            raise RuntimeError("this engine has been shut down (LLM.shutdown() or the end of its `with` block); "
+                               "make a new LLM to generate again")
+
     def shutdown(self) -> None:
-        """Nothing to release: the model lives in this process and goes with it."""
+        """Give back the device memory the engine holds for its steps (graphs, KV cache), so that a
+        later engine in this process, or another process on the GPU, can have it: without this a
+        finished `with LLM(...)` block kept its KV cache (most of `gpu_memory_utilization`) until
+        the process ended. The weights go with the LLM object."""
+        if not self.shut_down:
+            self.shut_down = True
+            self.model_runner.release_step_memory()

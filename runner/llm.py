@@ -81,6 +81,9 @@ class LLM:
         too long, out-of-vocabulary ids), or one that fails while it runs, comes back finished with
         reason "abort" and `error` set; the others run normally. Requests run as FINAL_ONLY (as in
         vLLM): one output each, when finished, whatever `output_kind` the params name."""
+        if getattr(self.engine.executor, "shut_down", False):
+            raise RuntimeError("this LLM has been shut down (LLM.shutdown() or the end of its `with` block); "
+                               "make a new LLM to generate again")
         prompts = _normalize_prompts(prompts)
         params = sampling_params
         if params is None or isinstance(params, SamplingParams):

@@ -187,6 +187,15 @@ class ModelRunner(GraphStartUp):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def release_step_memory(self) -> None:
+        """Drop the graphs and the KV cache and return the caching allocator's free blocks to the
+        device (an in-process engine's shutdown: UniProcExecutor.shutdown)."""
+        self.release_cuda_graphs()
+        self.kv_caches = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def intermediate_view(self, num_tokens: int) -> IntermediateTensors | None:
         """Views [:num_tokens] of the persistent receive buffers (None on the first stage)."""
         if self.model.model.is_first:

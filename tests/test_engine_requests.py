@@ -213,3 +213,17 @@ def test_abort_returns_the_final_output_of_every_kind(tiny, async_scheduling):
     while engine.has_unfinished_requests():
         assert engine.step() == []
     assert engine.scheduler.kv.usage == 0.0 and engine.abort_request("DELTA") is None
+
+
+def test_shutdown_releases_the_kv_cache_and_later_steps_fail_clearly(tiny):
+    """The end of a `with LLM(...)` block gives back the step memory (KV cache, graphs), so a later
+    engine or process can have it; generating after it names the cause instead of failing inside a step."""
+    path, prompts = tiny[0], tiny[1]
+    with make_llm(path) as llm:
+        llm.generate([prompts[1]], GREEDY, use_tqdm=False)
+        runner = llm.engine.model_runner
+        assert runner.kv_caches is not None
+    assert runner.kv_caches is None
+    with pytest.raises(RuntimeError, match="has been shut down"):
+        llm.generate([prompts[1]], GREEDY, use_tqdm=False)
+    llm.shutdown()   # a second shutdown does nothing
