@@ -76,6 +76,7 @@ EVERY_SWITCH = {
     "GRAPHRUNNER_STEP_GRAPH": ("no", False),
     "GRAPHRUNNER_TORCH_DENSE_KV": ("0", False),
     "GRAPHRUNNER_TRITON_SAMPLING": ("0", False),
+    "GRAPHRUNNER_WARM_UP_EVERY_CAPTURE": ("1", True),
 }
 SECTIONS = {"ModelConfig": "model_config_", "CompilationConfig": "compilation", "ParallelConfig": "parallel",
             "KernelConfig": "kernel"}

@@ -137,7 +137,8 @@ def test_bench_serve_starts_an_engine_process_server_and_compares_offline(tmp_pa
     assert report["server"]["completed"] == 4 and report["server"]["output_tokens"] == 16
     assert report["server"]["cpu_seconds"] > 0 and report["offline"]["output_tokens"] == 16
     by_process = report["server"]["cpu_seconds_by_process"]   # the engine's steps run in the child
-    assert by_process["api"] > 0 and by_process["engine"] > 0 and report["server"]["client_cpu_seconds"] > 0
+    # /proc counts CPU in clock ticks (10 ms): the API process's share of 4 short requests may round to 0
+    assert by_process["api"] >= 0 and by_process["engine"] > 0 and report["server"]["client_cpu_seconds"] > 0
     assert report["ratios"]["server_over_offline_tokens_per_s"] > 0
     assert report["ratios"]["server_over_offline_cpu_per_token"] > 0
 
