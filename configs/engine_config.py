@@ -127,12 +127,18 @@ class CompilationConfig(_Config):
         default_factory=env_default("GRAPHRUNNER_STEP_GRAPH", "CompilationConfig.step_graph", True),
         description="replay a PIECEWISE graph as one CUDA graph with the attention as kernel nodes; off: "
                     "segment by segment from Python [GRAPHRUNNER_STEP_GRAPH]")
-    warm_up_every_capture: bool = Field(
+    warm_up_every_capture: bool | None = Field(
         default_factory=env_default("GRAPHRUNNER_WARM_UP_EVERY_CAPTURE", "CompilationConfig.warm_up_every_capture",
-                                    False),
-        description="run each graph's forward eagerly before capturing it; off: only the first capture of each "
-                    "mode does, and later captures run in CUDA's relaxed capture mode, where a kernel variant "
-                    "loads inside the capture (runner/cudagraph/wrapper.py) [GRAPHRUNNER_WARM_UP_EVERY_CAPTURE]")
+                                    None, bool),
+        description="run each graph's forward eagerly before capturing it; off: only the largest graph of each "
+                    "kind of batch does, and later captures run in CUDA's relaxed capture mode, where a kernel "
+                    "variant loads inside the capture (runner/cudagraph/wrapper.py); None (auto): off on one "
+                    "device, on under tensor or pipeline parallelism, where captures without a warm-up have not "
+                    "been checked on GPUs [GRAPHRUNNER_WARM_UP_EVERY_CAPTURE]")
+
+    def warms_up_every_capture(self, world_size: int) -> bool:
+        """`warm_up_every_capture`, its auto value resolved for this many ranks."""
+        return self.warm_up_every_capture if self.warm_up_every_capture is not None else world_size > 1
     compile_threads: int | None = Field(
         default_factory=env_default("GRAPHRUNNER_COMPILE_THREADS", "CompilationConfig.compile_threads", None, int),
         ge=0, description="threads that compile the start-up's Triton kernels ahead of their first launch; "

@@ -162,16 +162,17 @@ class ModelRunner(GraphStartUp):
         forward = self.model_forward = functools.partial(forward_with_decode_head, self.model)
         compilation = self.config.compilation
         check = AddressCheck.from_config(compilation.check_cudagraph_addresses, compilation.debug_cudagraph_addresses)
+        parallel = self.config.parallel
+        warm_every = compilation.warms_up_every_capture(parallel.tensor_parallel_size * parallel.pipeline_parallel_size)
         self.piecewise = self.full = None
         if self.cudagraph_mode.has_piecewise():
             forward = self.piecewise = CUDAGraphWrapper(forward, CUDAGraphMode.PIECEWISE, pool,
                                                         self.capture_phase, check, self.graph_factory,
                                                         step_graph=compilation.step_graph,
-                                                        warm_up_every_capture=compilation.warm_up_every_capture)
+                                                        warm_up_every_capture=warm_every)
         if self.cudagraph_mode.has_full():
             forward = self.full = CUDAGraphWrapper(forward, CUDAGraphMode.FULL, pool, self.capture_phase, check,
-                                                   self.graph_factory,
-                                                   warm_up_every_capture=compilation.warm_up_every_capture)
+                                                   self.graph_factory, warm_up_every_capture=warm_every)
         self.forward = forward
 
     def release_cuda_graphs(self) -> None:

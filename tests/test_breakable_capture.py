@@ -563,3 +563,13 @@ def test_capture_all_order_and_summary(caplog):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
 def test_measure_graph_memory_is_zero_on_cpu():
     assert measure_graph_memory(lambda pool: pytest.fail("must not capture on a CPU")) == 0
+
+
+@pytest.mark.parametrize("configured, world_size, expected", [
+    (None, 1, False), (None, 2, True), (None, 4, True), (True, 1, True), (False, 4, False)])
+def test_warm_up_every_capture_auto_is_off_on_one_device_and_on_across_ranks(configured, world_size, expected):
+    """Captures without a warm-up are checked on one GPU; under tensor or pipeline parallelism the
+    auto value keeps a warm-up before every capture."""
+    from configs import EngineConfig
+    config = EngineConfig.from_kwargs(model="x", compilation_config={"warm_up_every_capture": configured})
+    assert config.compilation.warms_up_every_capture(world_size) is expected
