@@ -79,18 +79,11 @@ class UniProcExecutor:
         self.shut_down = False
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        self._require_running()
         return self.model_runner.execute(sched)
 
     def execute_async(self, sched: SchedulerOutput) -> PendingOutput:
         """Launch the step and return at once (async scheduling); `.resolve()` gives its tokens."""
-        self._require_running()
         return self.model_runner.execute_async(sched)
-
-    def _require_running(self) -> None:
-        if self.shut_down:
-            raise RuntimeError("this engine has been shut down (LLM.shutdown() or the end of its `with` block); "
-                               "make a new LLM to generate again")
 
     def shutdown(self) -> None:
         """Give back the device memory the engine holds for its steps (graphs, KV cache), so that a

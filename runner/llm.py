@@ -65,6 +65,7 @@ class LLM:
     tensor/pipeline parallel engine (docs/PARALLEL.md)."""
 
     def __init__(self, model: str | os.PathLike = "default", **kwargs) -> None:
+        self._shut_down = False
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
 
     @property
@@ -81,7 +82,7 @@ class LLM:
         too long, out-of-vocabulary ids), or one that fails while it runs, comes back finished with
         reason "abort" and `error` set; the others run normally. Requests run as FINAL_ONLY (as in
         vLLM): one output each, when finished, whatever `output_kind` the params name."""
-        if getattr(self.engine.executor, "shut_down", False):
+        if self._shut_down:
             raise RuntimeError("this LLM has been shut down (LLM.shutdown() or the end of its `with` block); "
                                "make a new LLM to generate again")
         prompts = _normalize_prompts(prompts)
@@ -135,6 +136,9 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def shutdown(self) -> None:
+        """Stop the engine and give back what it holds (an in-process engine: its KV cache and graphs);
+        `generate` afterwards raises."""
+        self._shut_down = True
         self.engine.shutdown()
 
     def __enter__(self) -> "LLM":

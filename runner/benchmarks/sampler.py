@@ -105,8 +105,9 @@ def time_stage(scenario: str, batch: int, vocab: int, device: torch.device, iter
             host = (time.perf_counter() - t0) * 1e3
             if behind_cycles:   # the device's own end of the stage (the tokens' copy), not the host's wake-up
                 end.record()
-            pending.resolve()
-            if not behind_cycles:
+                pending.resolve()
+            else:
+                pending.resolve()
                 end.record()
             end.synchronize()
             elapsed = start.elapsed_time(end)
