@@ -17,9 +17,12 @@ file the same way. tests/test_kernel_cache.py starts two processes on one empty 
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+
+_triton_key_thread: threading.Thread | None = None
 
 
 def triton_dir(cache_dir: str | Path) -> Path:
@@ -39,3 +42,34 @@ def use_triton_cache(cache_dir: str | Path) -> Path | None:
         knobs.cache.dir = str(path)
         logger.info("Triton's kernel cache: %s", path)
     return path
+
+
+def hash_triton_ahead() -> None:
+    """Start computing Triton's own cache key on a daemon thread (once per process). Triton computes
+    `triton.runtime.cache.triton_key()` (a hash of its sources and of libtriton, hundreds of MB) at the
+    first kernel it looks up in its cache, which in a start-up is inside the profile run, on the main
+    thread; begun here, when the engine is set up, it overlaps the set-up and the weight load (file
+    reads and hashing release the GIL). `wait_triton_key` joins it before the first lookup; the key is
+    memoised by Triton, so a failure here only means the first lookup computes it as before."""
+    global _triton_key_thread
+    if _triton_key_thread is not None:
+        return
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        return
+
+    def compute() -> None:
+        try:
+            triton_key()
+        except Exception as error:  # noqa: BLE001 - the first kernel lookup computes it and reports
+            logger.debug("hashing Triton ahead failed: %s", error)
+
+    _triton_key_thread = threading.Thread(target=compute, name="triton-key", daemon=True)
+    _triton_key_thread.start()
+
+
+def wait_triton_key() -> None:
+    """Wait for `hash_triton_ahead`'s thread, if one runs (rather than hash Triton a second time)."""
+    if _triton_key_thread is not None:
+        _triton_key_thread.join()

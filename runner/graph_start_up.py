@@ -20,6 +20,7 @@ import torch
 
 from configs import CUDAGraphMode
 from launch.compile_ahead import compile_ahead, compile_threads, queuing_launches
+from launch.kernel_cache import wait_triton_key
 from runner import start_up_record
 from runner.cudagraph import AddressCheck, BatchDescriptor, capture_all, graph_pool, measure_graph_memory
 
@@ -90,6 +91,8 @@ class GraphStartUp:
         CompilationConfig.compile_threads=0, or with `queue` False (every rank found the record of
         an earlier start-up of this configuration, `earlier_start_up`: the cached kernels load
         at their first launch, sooner than the queue pass would find them)."""
+        if self.device.type == "cuda":
+            wait_triton_key()   # its first kernel lookup needs Triton's own key (launch/kernel_cache.py)
         if not self._compiles_ahead():
             yield
             return

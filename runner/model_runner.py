@@ -21,7 +21,7 @@ import torch
 from attention.backends import get_attention_backend
 from attention.forward_context import ForwardContext, get_forward_context, set_forward_context
 from configs import CUDAGraphMode, EngineConfig, SamplingParams, set_active_kernel_config
-from launch.kernel_cache import use_triton_cache
+from launch.kernel_cache import hash_triton_ahead, use_triton_cache
 from models.hf_config import ModelSpec
 from models.layers import decode_step_products, screened_argmax
 from models.causal_lm import IntermediateTensors
@@ -89,6 +89,7 @@ class ModelRunner(GraphStartUp):
         set_active_kernel_config(config.kernel)   # before anything below picks a kernel
         if device.type == "cuda":   # Triton compiles into <cache_dir>/triton, beside the native builds
             use_triton_cache(config.kernel.cache_dir)
+            hash_triton_ahead()
         if config.parallel.threads is not None:
             torch.set_num_threads(config.parallel.threads)
         self.device, self.dtype, self.max_model_len = device, dtype, max_model_len

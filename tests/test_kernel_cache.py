@@ -98,3 +98,19 @@ def test_triton_compiles_into_the_cache_dir(tmp_path):
         assert knobs.cache.dir == str(tmp_path / "triton")
     finally:
         knobs.cache.dir = previous
+
+
+def test_triton_is_hashed_once_on_a_thread_and_waited_for(monkeypatch):
+    """`hash_triton_ahead` computes Triton's own cache key off the main thread, once per process;
+    `wait_triton_key` joins it, and does nothing when none was started."""
+    import threading
+    import triton.runtime.cache
+    from launch import kernel_cache
+    calls = []
+    monkeypatch.setattr(kernel_cache, "_triton_key_thread", None)
+    kernel_cache.wait_triton_key()   # none started: returns
+    monkeypatch.setattr(triton.runtime.cache, "triton_key", lambda: calls.append(threading.current_thread().name))
+    kernel_cache.hash_triton_ahead()
+    kernel_cache.hash_triton_ahead()
+    kernel_cache.wait_triton_key()
+    assert calls == ["triton-key"]

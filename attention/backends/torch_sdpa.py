@@ -79,8 +79,8 @@ class _StepLayout:
     native_decode: bool = False
     """A decode step over a CPU fp32 cache: each layer's attention is one C call reading the paged cache
     (attention/backends/cpu_decode_attention.decode_attention); no mask, gather indices or dense copy are built."""
-    q_pos: torch.Tensor | None = None   # [R, max_q] absolute position of each query slot (host)
-    allowed: torch.Tensor | None = None # [R, max_q, kv_width] causal and within seq_len (host)
+    q_pos: torch.Tensor | None = None   # [R, max_q] absolute position of each query slot (where the mask is)
+    allowed: torch.Tensor | None = None # [R, max_q, kv_width] causal and within seq_len (where the mask is)
     windowed: dict = field(default_factory=dict)
     """sliding window -> its additive mask (`mask_for`), built by the first layer with that window."""
 
@@ -91,9 +91,10 @@ class _StepLayout:
             return self.mask
         mask = self.windowed.get(window)
         if mask is None:
-            kv_pos = torch.arange(self.allowed.shape[-1])
+            kv_pos = torch.arange(self.allowed.shape[-1], device=self.allowed.device)
             allowed = self.allowed & (kv_pos[None, None, :] > self.q_pos[:, :, None] - window)
-            mask = torch.zeros(allowed.shape, dtype=self.mask.dtype).masked_fill_(~allowed, float("-inf"))
+            mask = torch.zeros(allowed.shape, dtype=self.mask.dtype, device=allowed.device).masked_fill_(
+                ~allowed, float("-inf"))
             mask = self.windowed[window] = mask[:, None].to(self.mask.device)
         return mask
 
@@ -154,11 +155,15 @@ def _layout(common: CommonAttentionMetadata, kv_cache: torch.Tensor | None, devi
         max_kv = max_q
         context, kv_len = torch.zeros_like(query_lens), query_lens
         kv_index = q_index.to(device)
-    kv_pos = torch.arange(max_kv)
-    q_pos = context[:, None] + q_cols[None, :]
-    allowed = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < kv_len[:, None, None])
+    # The mask is built where it is used: on a GPU, a start-up's profile batch (max_num_batched_tokens
+    # of prompts, no KV cache) makes a [requests, max_q, max_kv] mask of millions of entries, which the
+    # host built element by element before copying it over.
+    where = device if device.type == "cuda" else torch.device("cpu")
+    kv_pos = torch.arange(max_kv, device=where)
+    q_pos = (context[:, None] + q_cols[None, :]).to(where)
+    allowed = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < kv_len.to(where)[:, None, None])
     # Additive float mask, built once: SDPA would otherwise convert a bool mask in every layer.
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=where).masked_fill_(~allowed, float("-inf"))
     out_index = None if decode else q_valid.reshape(-1).nonzero().squeeze(1).to(device)
     return _StepLayout(actual, num_reqs, max_q, decode, None if decode else q_index.to(device), out_index,
                        mask[:, None].to(device), kv_blocks, blocks, kv_index, slots, write_rows, dense, max_kv,
