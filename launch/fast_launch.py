@@ -80,6 +80,12 @@ def _current_stream(device_index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device_index)
 
 
+def _current_device() -> int:
+    """The current CUDA device's index, where Triton's own launch takes its stream from."""
+    import torch
+    return torch._C._cuda_getDevice()
+
+
 def _triton_options(num_warps: int, num_stages: int, launch_pdl: bool) -> dict:
     """Launch options for `fn[grid](...)`; `launch_pdl` only when set (the interpreter lacks it)."""
     return dict(num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if launch_pdl else {}))
@@ -224,6 +230,57 @@ def _learn_launch_tail(kernel: Any, num_args: int) -> tuple | None:
     if any(hasattr(value, "data_ptr") or isinstance(value, _Marker) for value in tail):
         return None   # scratch allocated for this launch: it must be allocated per launch
     return tail
+
+
+_LAUNCH_OPTIONS = frozenset(("num_warps", "num_stages", "launch_pdl"))
+_launchers: dict[Any, FastLaunch] = {}
+_keyword_plans: dict[tuple, tuple | None] = {}
+
+
+def _keyword_plan(fn: Any, num_args: int, names: tuple[str, ...]) -> tuple | None:
+    """How a call with `num_args` positional arguments and keyword arguments `names` fills the
+    parameters after them: for each, (its keyword, None) or (None, its default); None where the call
+    does not map onto `FastLaunch` (an unknown keyword, a parameter both positional and named, a missing
+    parameter without default, another launch option than num_warps / num_stages / launch_pdl)."""
+    params = getattr(fn, "params", None)
+    if params is None:
+        return None
+    param_names = [p.name for p in params]
+    if any(name not in _LAUNCH_OPTIONS and name not in param_names[num_args:] for name in names):
+        return None
+    plan = []
+    for param in params[num_args:]:
+        if param.name in names:
+            plan.append((param.name, None))
+        elif getattr(param, "has_default", False):
+            plan.append((None, param.default))
+        else:
+            return None
+    return tuple(plan)
+
+
+def launch_kernel(fn: Any, grid: tuple, *args: Any, **kwargs: Any) -> None:
+    """`fn[grid](*args, **kwargs)` through one shared `FastLaunch` of `fn`: keyword parameters
+    (constexprs) are put in signature order and defaults filled in, and the launch options num_warps,
+    num_stages and launch_pdl passed on. Why: the fused per-layer kernels (norms, RoPE, SiLU) are
+    launched with keywords, and through Triton's own `JITFunction.run` each launch costs tens of
+    microseconds of binding and key building; a start-up's graph captures run them thousands of times
+    (py-spy of a warm Qwen3-0.6B start-up: JITFunction.run ~18% of the captures). A call that does not
+    map onto the fast path, or inside `compile_ahead.queuing_launches`, takes `compile_ahead.launch`
+    with its arguments as given."""
+    plan_key = (fn, len(args), tuple(kwargs))
+    plan = _keyword_plans.get(plan_key, _keyword_plans)
+    if plan is _keyword_plans:
+        plan = _keyword_plans[plan_key] = _keyword_plan(fn, len(args), tuple(kwargs))
+    launcher = _launchers.get(fn)
+    if launcher is None:
+        launcher = _launchers[fn] = FastLaunch(fn)
+    if plan is None or _ahead._active or not launcher.enabled:
+        _ahead.launch(fn, grid, *args, **kwargs)
+        return
+    full = args + tuple(kwargs[name] if name is not None else default for name, default in plan)
+    launcher(grid, *full, device_index=_current_device(), num_warps=kwargs.get("num_warps", 4),
+             num_stages=kwargs.get("num_stages", 3), launch_pdl=kwargs.get("launch_pdl", False))
 
 
 @functools.cache

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from launch.compile_ahead import launch
+from launch.fast_launch import launch_kernel
 from launch.pdl import pdl_options, wait_for_producers
 
 
@@ -42,7 +42,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(out) if residual is not None else out
     block = triton.next_power_of_2(cols)
-    launch(_add_rms_norm_kernel, (rows,),
+    launch_kernel(_add_rms_norm_kernel, (rows,),
         x, residual if residual is not None else x, weight, out, res_out, x.stride(0),
         residual.stride(0) if residual is not None else 0, cols, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
@@ -67,7 +67,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows, cols = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
     block = 1024
-    launch(_silu_and_mul_kernel, (rows, triton.cdiv(cols, block)), x, out, x.stride(0), cols, BLOCK=block,
+    launch_kernel(_silu_and_mul_kernel, (rows, triton.cdiv(cols, block)), x, out, x.stride(0), cols, BLOCK=block,
            num_warps=4, **pdl_options(x.device))
     return out
 
@@ -92,7 +92,7 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows, cols = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
     block = 1024
-    launch(_gelu_tanh_and_mul_kernel, (rows, triton.cdiv(cols, block)), x, out, x.stride(0), cols, BLOCK=block,
+    launch_kernel(_gelu_tanh_and_mul_kernel, (rows, triton.cdiv(cols, block)), x, out, x.stride(0), cols, BLOCK=block,
            num_warps=4, **pdl_options(x.device))
     return out
 
@@ -137,7 +137,7 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cach
     q_out = torch.empty((tokens, num_q, dim), dtype=q.dtype, device=q.device)
     k_out = torch.empty((tokens, num_k, dim), dtype=k.dtype, device=k.device)
     half = dim // 2
-    launch(_rope_kernel, (tokens, num_q + num_k),
+    launch_kernel(_rope_kernel, (tokens, num_q + num_k),
         q, k, q_out, k_out, positions, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         num_q, num_k, cos_sin_cache.stride(0), HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1,
         **pdl_options(q.device))
@@ -194,7 +194,7 @@ def rope_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         raise ValueError("rope_and_cache needs a contiguous head dim in q, k, v and kv_cache")
     q_out = torch.empty((tokens, num_q, dim), dtype=q.dtype, device=q.device)
     half = dim // 2
-    launch(_rope_and_cache_kernel, (tokens, num_q + 2 * num_k),
+    launch_kernel(_rope_and_cache_kernel, (tokens, num_q + 2 * num_k),
         q, k, v, q_out, positions, cos_sin_cache, kv_cache, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         num_q, num_k, cos_sin_cache.stride(0),

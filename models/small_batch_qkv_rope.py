@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from launch.compile_ahead import launch
+from launch.fast_launch import launch_kernel
 from launch.pdl import pdl_options, wait_for_producers
 from models.small_batch_kernels import (M1_ACC_ELEMENTS, _load_rows, _normalise, _rms_inv, _stages, _weight_tile,
                                         block_sizes, rms_block)
@@ -144,7 +144,7 @@ def norm_qkv_rope_cache(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
     half = head_dim // 2
     units = (num_q_heads + 2 * num_kv_heads) * half
     block_n, block_k = qkv_rope_block_sizes(units, n, k, x.dtype, x.device)
-    launch(_norm_qkv_rope_cache_kernel, (triton.cdiv(units, block_n),),
+    launch_kernel(_norm_qkv_rope_cache_kernel, (triton.cdiv(units, block_n),),
         x, residual if residual is not None else x, norm_weight, qkv_weight,
         qkv_bias if qkv_bias is not None else qkv_weight, q_out, res_out if res_out is not None else q_out,
         positions, cos_sin_cache, kv_cache, slot_mapping,

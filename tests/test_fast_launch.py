@@ -200,3 +200,37 @@ def test_compiled_kernel_looks_up_without_launching():
     assert launch.compiled_kernel((x, 33, 9, 0.25, 7), num_warps=4, num_stages=2) is None     # 33: another key
     assert launch.compiled_kernel((x, 32, 9, 0.25, 7), num_warps=8, num_stages=2) is None     # another option
     assert not kernel.runs and len(fn.slow_calls) == 1
+
+
+def _keyword_fake(monkeypatch):
+    """A fake kernel (x, n, BLOCK: constexpr, FLAG: constexpr = False) whose shared FastLaunch
+    reads a fake stream, on device 0."""
+    fn = FakeJITFunction(["spec", "spec", "constexpr", "constexpr"])
+    for param, name in zip(fn.params, ["x", "n", "BLOCK", "FLAG"]):
+        param.name, param.has_default, param.default = name, name == "FLAG", False
+    monkeypatch.setitem(fast_launch._launchers, fn, FastLaunch(fn, stream_of=lambda index: 1000 + index))
+    monkeypatch.setattr(fast_launch, "_current_device", lambda: 0)
+    return fn
+
+
+def test_launch_kernel_puts_keywords_in_signature_order_and_fills_defaults(monkeypatch):
+    fn = _keyword_fake(monkeypatch)
+    x = torch.zeros(64)
+    for n in (32, 48):   # the same key: the second call relaunches the compiled kernel
+        fast_launch.launch_kernel(fn, (2,), x, n, BLOCK=64, num_warps=8)
+    assert fn.slow_calls == [((2,), (x, 32, 64, False), {"num_warps": 8, "num_stages": 3})]
+    assert fn.kernels[0].runs == [(2, 1, 1, 1000, "fn-handle", "packed", None, None, None, x, 48, 64, False)]
+    fast_launch.launch_kernel(fn, (2,), x, 32, FLAG=True, BLOCK=64, num_warps=8, launch_pdl=True)
+    assert fn.slow_calls[-1] == ((2,), (x, 32, 64, True), {"num_warps": 8, "num_stages": 3, "launch_pdl": True})
+
+
+@pytest.mark.parametrize("kwargs", [dict(BLOCK=64, maxnreg=32),      # a launch option FastLaunch does not pass
+                                    dict(FLAG=True),                  # BLOCK missing, and it has no default
+                                    dict(n=32, BLOCK=64)])            # n given positionally and by name
+def test_launch_kernel_calls_that_do_not_map_take_tritons_path_as_given(monkeypatch, kwargs):
+    fn = _keyword_fake(monkeypatch)
+    x = torch.zeros(64)
+    for _ in range(2):
+        fast_launch.launch_kernel(fn, (2,), x, 32, **kwargs)
+    assert fn.slow_calls == [((2,), (x, 32), kwargs)] * 2
+    assert fast_launch._launchers[fn].fast_launches == 0

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from launch.compile_ahead import launch
+from launch.fast_launch import launch_kernel
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         raise ValueError("write_kv needs a contiguous head dim in key, value and kv_cache")
     if num_tokens == 0:
         return
-    launch(kv_write_kernel, (num_tokens,),
+    launch_kernel(kv_write_kernel, (num_tokens,),
         key, value, kv_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
