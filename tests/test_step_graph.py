@@ -193,6 +193,31 @@ def test_a_capture_asks_for_a_step_graph_only_when_switched_on(monkeypatch, enab
     assert capture.graph.step_graph == ("whole" if enabled else None)
 
 
+@pytest.mark.parametrize("whole", ["whole", None], ids=["step-graph", "python-replay"])
+def test_kept_segments_are_instantiated_at_capture_only_without_a_step_graph(monkeypatch, whole):
+    """A graph with a step graph leaves its kept segments for their first Python replay (torch
+    instantiates a kept graph there); one that replays them from Python every step has them
+    instantiated when its capture ends."""
+    from tests.test_breakable_capture import FakeGraphForTests, toy_forward
+
+    class KeptFactory:
+        def __call__(self):
+            return FakeGraphForTests()
+
+        def kept(self):
+            graph = FakeGraphForTests()
+            graph.kept, graph.instantiated = True, 0
+            graph.instantiate = lambda: setattr(graph, "instantiated", graph.instantiated + 1)
+            return graph
+
+    monkeypatch.setattr(breakable, "native_step_graph", lambda segments, breaks: whole)
+    with breakable.BreakableCapture(None, KeptFactory()) as capture:
+        toy_forward(torch.ones(3), layers=2)
+    segments = capture.graph.segments
+    assert len(segments) == 3
+    assert [segment.instantiated for segment in segments] == [0 if whole else 1] * 3
+
+
 class Log:
     def __init__(self):
         self.events = []

@@ -112,8 +112,18 @@ def _end_capture(graph: GraphLike) -> None:
     with warnings.catch_warnings():  # two adjacent break points leave a legitimately empty segment
         warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
         graph.capture_end()
-        if getattr(graph, "kept", False):
-            graph.instantiate()   # a kept graph is instantiated on request (here, not at its first replay)
+
+
+def _instantiate_kept(segments: list[GraphLike]) -> None:
+    """Instantiate the kept segments of a graph that replays them from Python every step (no step
+    graph), now rather than at their first replay. A graph with a step graph leaves them as they are:
+    the step graph holds them as child graphs of its own executable, and a segment is instantiated
+    only by a step that falls back to the Python replay (torch does so at a kept graph's first
+    replay). Why: a PIECEWISE capture of an n-layer model has n + 1 segments, and instantiating each
+    cost a start-up thousands of cudaGraphInstantiate calls that most graphs never use."""
+    for segment in segments:
+        if getattr(segment, "kept", False):
+            segment.instantiate()
 
 
 def _alias(value: Any) -> Any:
@@ -264,6 +274,8 @@ class BreakableCapture:
             return
         if exc_type is None:
             whole = native_step_graph(self._segments, self._breaks) if self.step_graph else None
+            if whole is None:
+                _instantiate_kept(self._segments)
             self.graph = BreakableGraph(self._segments, self._breaks, whole)
 
     def run_break(self, point: BreakPoint, args: tuple, kwargs: dict) -> Any:
