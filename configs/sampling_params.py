@@ -13,6 +13,23 @@ SEED_MAX = 2**64 - 1
 """The largest seed: torch's generators take an unsigned 64-bit seed."""
 
 
+def check_truncate_prompt_tokens(value: int | None) -> int | None:
+    """`truncate_prompt_tokens` is None, -1 or a count >= 1 (ValueError otherwise)."""
+    if value is not None and value < 1 and value != -1:
+        raise ValueError(f"truncate_prompt_tokens must be -1 or >= 1, got {value}")
+    return value
+
+
+def truncate_prompt(token_ids: list[int], k: int | None, max_model_len: int) -> list[int]:
+    """The prompt `truncate_prompt_tokens` = k leaves (vLLM's meaning): its last k tokens; -1 keeps as
+    many as leave room for one generated token within max_model_len; None keeps it whole."""
+    if k is None:
+        return token_ids
+    if k == -1:
+        k = max_model_len - 1
+    return token_ids[-k:]
+
+
 class RequestOutputKind(enum.IntEnum):
     """What each RequestOutput of a request carries (vLLM's names and values)."""
     CUMULATIVE = 0
@@ -128,9 +145,7 @@ class SamplingParams(BaseModel):
     @field_validator("truncate_prompt_tokens")
     @classmethod
     def _truncate_k(cls, value: int | None) -> int | None:
-        if value is not None and value < 1 and value != -1:
-            raise ValueError(f"truncate_prompt_tokens must be -1 or >= 1, got {value}")
-        return value
+        return check_truncate_prompt_tokens(value)
 
     @field_validator("min_tokens")
     @classmethod
@@ -150,11 +165,11 @@ class SamplingParams(BaseModel):
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
                 or bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words))
 
-    def token_id_fields(self) -> dict[str, list[int]]:
-        """The token ids this request names, by field: the engine checks them against the vocabulary."""
-        fields = {}
-        if self.logit_bias:
-            fields["logit_bias"] = list(self.logit_bias)
-        if self.allowed_token_ids is not None:
-            fields["allowed_token_ids"] = list(self.allowed_token_ids)
-        return fields
+    def token_ids_outside(self, vocab_size: int) -> dict[str, list[int]]:
+        """The token ids this request names (logit_bias keys, allowed_token_ids) that lie outside the
+        vocabulary [0, vocab_size), by field; empty when all are inside. The engine refuses a request
+        with any, and the server names the field in its 400."""
+        fields = {"logit_bias": list(self.logit_bias or ()), "allowed_token_ids": self.allowed_token_ids or []}
+        outside = {name: [t for t in ids if not 0 <= t < vocab_size] for name, ids in fields.items()}
+        return {name: ids for name, ids in outside.items() if ids}
+

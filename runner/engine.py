@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from configs import EngineConfig, RequestOutputKind, SamplingParams
+from configs.sampling_params import truncate_prompt
 from models.config_json import ConfigFileError
 from models.hf_config import load_hf_config, model_spec, resolve_max_model_len
 from runner.detokenizer import IncrementalDetokenizer
@@ -178,11 +179,9 @@ class LLMEngine:
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(f"request {request_id!r}: prompt of {len(token_ids)} tokens leaves no room "
                                       f"to generate within max_model_len={self.max_model_len}")
-        for name, ids in params.token_id_fields().items():
-            outside = [t for t in ids if not 0 <= t < vocab]
-            if outside:
-                raise InvalidRequestError(f"request {request_id!r}: {name} has token id(s) {outside[:5]} outside the "
-                                          f"vocabulary [0, {vocab})")
+        for name, outside in params.token_ids_outside(vocab).items():
+            raise InvalidRequestError(f"request {request_id!r}: {name} has token id(s) {outside[:5]} outside the "
+                                      f"vocabulary [0, {vocab})")
         if params.bad_words and self.tokenizer is None:
             raise InvalidRequestError(f"request {request_id!r}: bad_words need a tokenizer, and {self.model_path} "
                                       "has none")
@@ -249,16 +248,6 @@ class LLMEngine:
                   if request_id in self._tracked]
         return self._collect([(tracked, self._fail(tracked, error)) for tracked, error in failed])
 
-    def _truncate(self, token_ids: list[int], params: SamplingParams) -> list[int]:
-        """`truncate_prompt_tokens` (vLLM's meaning): keep the last k tokens; -1 keeps as many as
-        leave room for one generated token within max_model_len."""
-        k = params.truncate_prompt_tokens
-        if k is None:
-            return token_ids
-        if k == -1:
-            k = self.max_model_len - 1
-        return token_ids[-k:]
-
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue a request; a bad one raises InvalidRequestError and changes nothing. With
@@ -274,7 +263,7 @@ class LLMEngine:
             token_ids, text = self.tokenizer.encode(prompt), prompt
         else:
             token_ids, text = list(prompt), None
-        token_ids = self._truncate(token_ids, params)
+        token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
         self._validate(request_id, token_ids, params)
         if params.n == 1:
             self._add_one(request_id, token_ids, text, params)

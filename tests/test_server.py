@@ -165,6 +165,38 @@ def test_penalties_equal_llm_generate(client, llm, field):
     assert response.choices[0].token_ids == reference.token_ids
 
 
+@pytest.mark.parametrize("field", ["logit_bias", "allowed_token_ids", "bad_words"])
+def test_logit_controls_equal_llm_generate(client, llm, field):
+    """OpenAI's logit_bias (token ids as string keys) and vLLM's allowed_token_ids and bad_words reach
+    the sampler as the offline LLM's SamplingParams do."""
+    plain = llm.generate(PROMPTS[0], greedy(max_tokens=8), use_tqdm=False)[0].outputs[0]
+    first = plain.token_ids[0]
+    value = {"logit_bias": {first: -100.0, first + 1: 100.0}, "allowed_token_ids": [first + 1, first + 2, 13],
+             "bad_words": [plain.text.split()[0]]}[field]
+    reference = llm.generate(PROMPTS[0], greedy(max_tokens=8, **{field: value}), use_tqdm=False)[0].outputs[0]
+    assert reference.token_ids != plain.token_ids   # the control changed the greedy output
+    sent = {str(t): b for t, b in value.items()} if field == "logit_bias" else value
+    response = client.completions.create(model="default", prompt=PROMPTS[0], max_tokens=8, temperature=0.0,
+                                         extra_body={field: sent, "return_token_ids": True})
+    assert response.choices[0].token_ids == reference.token_ids
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_tail(client, llm):
+    """A prompt over max_model_len is served with vLLM's truncate_prompt_tokens (the last k tokens),
+    as the offline LLM truncates it; usage counts the truncated prompt."""
+    prompt = "one two three four five six seven. " * 100   # ~800 tokens > MAX_MODEL_LEN
+    for k, max_tokens in ((40, 4), (-1, 1)):   # -1 leaves room for one token
+        reference = llm.generate(prompt, greedy(max_tokens=max_tokens, truncate_prompt_tokens=k), use_tqdm=False)[0]
+        response = client.completions.create(model="default", prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                                             extra_body={"truncate_prompt_tokens": k, "return_token_ids": True})
+        assert response.choices[0].token_ids == reference.outputs[0].token_ids
+        assert response.usage.prompt_tokens == len(reference.prompt_token_ids) == (k if k > 0 else MAX_MODEL_LEN - 1)
+    echoed = client.completions.create(model="default", prompt=prompt, max_tokens=1, temperature=0.0, echo=True,
+                                       extra_body={"truncate_prompt_tokens": 8})
+    tokenizer = llm.get_tokenizer()
+    assert echoed.choices[0].text.startswith(tokenizer.decode(tokenizer.encode(prompt)[-8:]))   # what was served
+
+
 def test_response_format_json_schema(client):
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"], "additionalProperties": False}
@@ -208,6 +240,12 @@ def test_include_stop_str_in_output(client):
     ({"prompt": []}, "prompt"),
     ({"prompt": [10 ** 9]}, "prompt"),
     ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ({"logit_bias": {"abc": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"99999999": 1.0}}, "logit_bias"),
+    ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ({"allowed_token_ids": [10 ** 9]}, "allowed_token_ids"),
+    ({"bad_words": [" "]}, "bad_words"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
 ])
 def test_bad_completion_input_is_400_naming_the_field(client, body, param):
     request = {"model": "default", "prompt": "Hi", "max_tokens": 4, **body}
@@ -220,6 +258,19 @@ def test_bad_completion_input_is_400_naming_the_field(client, body, param):
     if param is not None:
         assert error["param"] == param, error
         assert param in error["message"] or param == "prompt"
+
+
+def test_a_body_that_is_not_json_is_400(server):
+    url = urlparse(server.url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    try:
+        connection.request("POST", "/v1/completions", body=b'{"prompt": "Hi",', headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        error = json.loads(response.read())["error"]
+    finally:
+        connection.close()
+    assert response.status == 400 and error["param"] is None
+    assert error["message"].startswith("the request body is not valid JSON")
 
 
 def test_bad_chat_input_and_unknown_model(client):

@@ -45,6 +45,28 @@ def test_optional_features_map_by_name_or_are_refused_naming_the_field(field, va
         assert caught.value.param == field and field in caught.value.message and caught.value.status == 400
 
 
+def test_logit_controls_map_to_sampling_params():
+    request = CompletionRequest(prompt="x", logit_bias={"5": 2.0, "7": -300.0}, allowed_token_ids=[5, 7],
+                                bad_words=["no"])
+    params = request.sampling_params(4, None, False)
+    assert params.logit_bias == {5: 2.0, 7: -100.0}   # clamped to [-100, 100], as vLLM does
+    assert params.allowed_token_ids == [5, 7] and params.bad_words == ["no"]
+    assert params.token_ids_outside(6) == {"logit_bias": [7], "allowed_token_ids": [7]}
+    with pytest.raises(APIError) as caught:
+        CompletionRequest(prompt="x", logit_bias={"five": 1.0}).sampling_params(4, None, False)
+    assert caught.value.param == "logit_bias" and "'five'" in caught.value.message
+
+
+def test_truncate_prompt_tokens_is_checked_with_the_request():
+    from pydantic import ValidationError
+    from configs.sampling_params import truncate_prompt
+    assert CompletionRequest(prompt="x", truncate_prompt_tokens=-1).truncate_prompt_tokens == -1
+    with pytest.raises(ValidationError, match="truncate_prompt_tokens"):
+        CompletionRequest(prompt="x", truncate_prompt_tokens=0)
+    assert truncate_prompt([1, 2, 3, 4], 2, 10) == [3, 4] and truncate_prompt([1, 2, 3, 4], -1, 3) == [3, 4]
+    assert truncate_prompt([1, 2, 3], None, 2) == [1, 2, 3]
+
+
 @pytest.mark.parametrize("body, expected", [
     ({"response_format": {"type": "json_object"}}, {"json_object": True}),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}}},

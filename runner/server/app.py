@@ -48,6 +48,9 @@ def build_app(engine: AsyncLLM, model_name: str, config: ServerConfig) -> FastAP
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0] if error.errors() else {}
+        if first.get("type") == "json_invalid":   # its loc is a character offset, not a field
+            detail = (first.get("ctx") or {}).get("error", first.get("msg"))
+            return JSONResponse(APIError(f"the request body is not valid JSON: {detail}").body(), status_code=400)
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
         param = loc[0] if loc else None
         where = ".".join(loc)

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from configs import RequestOutputKind, SamplingParams
+from configs.sampling_params import check_truncate_prompt_tokens
 
 
 class APIError(Exception):
@@ -64,6 +65,15 @@ class _SamplingRequest(_Request):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    """OpenAI's field: token id (a JSON object's keys are strings) -> a bias added to its logit."""
+    allowed_token_ids: list[int] | None = None
+    """vLLM's extra field: only these tokens may be sampled."""
+    bad_words: list[str] | None = None
+    """vLLM's extra field: words the output may not contain."""
+    truncate_prompt_tokens: int | None = None
+    """vLLM's extra field: keep the prompt's last k tokens (-1: as many as max_model_len allows); the
+    server truncates before it checks the length (`configs.sampling_params.truncate_prompt`)."""
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
@@ -82,6 +92,21 @@ class _SamplingRequest(_Request):
     return_token_ids: bool = False
     """vLLM's extra field: each choice carries `token_ids`, the response `prompt_token_ids`."""
     user: str | None = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate_k(cls, value: int | None) -> int | None:
+        return check_truncate_prompt_tokens(value)
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """The bias by token id; a key that is not an integer is a 400 naming logit_bias."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError:
+            bad = [token for token in self.logit_bias if not token.strip().lstrip("-").isdigit()]
+            raise APIError(f"logit_bias keys must be token ids (integers), got {bad[:5]}", param="logit_bias") from None
 
     def _structured_outputs(self) -> dict[str, Any] | None:
         if self.structured_outputs:
@@ -115,7 +140,8 @@ class _SamplingRequest(_Request):
                     "frequency_penalty": (self.frequency_penalty, 0.0),
                     "repetition_penalty": (self.repetition_penalty, 1.0),
                     "include_stop_str_in_output": (self.include_stop_str_in_output, False),
-                    "prompt_logprobs": (self.prompt_logprobs, None)}
+                    "prompt_logprobs": (self.prompt_logprobs, None), "logit_bias": (self._logit_bias(), None),
+                    "allowed_token_ids": (self.allowed_token_ids, None), "bad_words": (self.bad_words, None)}
         for name, (value, neutral) in optional.items():
             if value is not None and value != neutral:
                 values[name] = value

@@ -61,6 +61,13 @@ class OpenAIServing:
         self.need_tokenizer(param)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    def check_token_ids(self, params: SamplingParams) -> None:
+        """A 400 naming the field for token ids outside the vocabulary (logit_bias, allowed_token_ids),
+        before the request reaches the engine (which would refuse it too, without the field)."""
+        vocab = self.engine.vocab_size
+        for name, outside in params.token_ids_outside(vocab).items():
+            raise APIError(f"{name} has token id(s) {outside[:5]} outside the vocabulary [0, {vocab})", param=name)
+
     def check_length(self, token_ids: list[int], max_tokens: int | None, param: str,
                      max_tokens_param: str = "max_tokens") -> int:
         """The max_tokens to run with: a prompt that leaves no room, or a max_tokens over what

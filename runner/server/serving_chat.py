@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import AsyncIterator
 
+from configs.sampling_params import truncate_prompt
 from runner.server.protocol import APIError, ChatCompletionRequest, ChatMessage
 from runner.server.serving import Choice, ChoiceTextChunks, OpenAIServing, now, random_id, sse, top_entries, usage
 from runner.server.serving_completion import error_body
@@ -35,12 +36,13 @@ class ServingChat(OpenAIServing):
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         text = self.render(request.messages, request.add_generation_prompt, request.continue_final_message,
                            request.chat_template_kwargs)
-        token_ids = self.encode(text, "messages")
+        token_ids = truncate_prompt(self.encode(text, "messages"), request.truncate_prompt_tokens, self.max_model_len)
         limit_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.check_length(token_ids, request.max_completion_tokens or request.max_tokens, "messages",
                                        limit_param)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = request.sampling_params(max_tokens, logprobs, request.stream)
+        self.check_token_ids(params)
         self.check_capacity()
         return token_ids, params
 

@@ -7,6 +7,7 @@ import asyncio
 import json
 from typing import AsyncIterator
 
+from configs.sampling_params import truncate_prompt
 from runner.server.protocol import APIError, CompletionRequest
 from runner.server.serving import (Choice, ChoiceTextChunks, OpenAIServing, accumulate, now, random_id, sse,
                                    top_entries, usage)
@@ -44,8 +45,13 @@ class ServingCompletion(OpenAIServing):
         prompts = self._prompts(request)
         runs = []
         for token_ids, text in prompts:
+            kept = truncate_prompt(token_ids, request.truncate_prompt_tokens, self.max_model_len)
+            if text is not None and len(kept) < len(token_ids):
+                text = self.tokenizer.decode(kept)   # echo returns the prompt that was served
+            token_ids = kept
             max_tokens = self.check_length(token_ids, request.max_tokens, "prompt")
             params = request.sampling_params(max_tokens, request.logprobs, request.stream)
+            self.check_token_ids(params)
             runs.append((token_ids, text, params))
         self.check_capacity()
         return runs
