@@ -57,6 +57,15 @@ def test_logit_controls_map_to_sampling_params():
     assert caught.value.param == "logit_bias" and "'five'" in caught.value.message
 
 
+@pytest.mark.parametrize("field, value", [("use_beam_search", True), ("logits_processors", ["my.module:fn"]),
+                                          ("prompt_embeds", "AAAA")])
+def test_vllm_extras_not_built_are_refused_naming_the_field(field, value):
+    with pytest.raises(APIError) as caught:
+        CompletionRequest(prompt="x", **{field: value}).sampling_params(4, None, False)
+    assert caught.value.param == field and field in caught.value.message
+    CompletionRequest(prompt="x", use_beam_search=False).sampling_params(4, None, False)   # the neutral value is fine
+
+
 def test_truncate_prompt_tokens_is_checked_with_the_request():
     from pydantic import ValidationError
     from configs.sampling_params import truncate_prompt

@@ -92,6 +92,11 @@ class _SamplingRequest(_Request):
     return_token_ids: bool = False
     """vLLM's extra field: each choice carries `token_ids`, the response `prompt_token_ids`."""
     user: str | None = None
+    use_beam_search: bool = False
+    logits_processors: list[Any] | None = None
+    prompt_embeds: Any = None
+    """vLLM's extra fields this server does not build: asked for, they are 400s naming the field
+    (ignored like other unknown fields, they would silently change what the request means)."""
 
     @field_validator("truncate_prompt_tokens")
     @classmethod
@@ -126,6 +131,10 @@ class _SamplingRequest(_Request):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, stream: bool) -> SamplingParams:
         """SamplingParams for this request; an invalid value raises APIError naming the field."""
+        for name, what in (("use_beam_search", "beam search"), ("logits_processors", "custom logits processors"),
+                           ("prompt_embeds", "prompt embeddings")):
+            if getattr(self, name) not in (None, False, []):
+                raise APIError(f"{what} ({name}) is not supported by this server", param=name)
         values: dict[str, Any] = {"max_tokens": max_tokens, "min_tokens": self.min_tokens,
                                   "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
                                   "output_kind": RequestOutputKind.DELTA}
