@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from typing import Sequence
 
 from tqdm.auto import tqdm
@@ -23,6 +24,9 @@ def _normalize_prompts(prompts) -> list[PromptType]:
     """One prompt or a list of them -> a list (a list of ints is one token-id prompt)."""
     if isinstance(prompts, (str, dict)):
         return [prompts]
+    if not isinstance(prompts, Iterable) or isinstance(prompts, bytes):
+        raise TypeError(f"prompts are a string, a list of token ids, a prompt dict or a list of those; "
+                        f"got {type(prompts).__name__}")
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]
@@ -116,11 +120,11 @@ class LLM:
 
     @staticmethod
     def _rejected(index: int, prompt: PromptType, error: Exception) -> RequestOutput:
-        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt if isinstance(prompt, str) else None
-        token_ids = prompt.get("prompt_token_ids", []) if isinstance(prompt, dict) else (
-            [] if isinstance(prompt, str) else list(prompt))
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        token_ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
+        token_ids = list(token_ids) if isinstance(token_ids, (list, tuple)) else []   # as given, whatever it was
         completion = CompletionOutput(0, "", [], finish_reason="abort")
-        return RequestOutput(f"rejected-{index}", text if isinstance(text, str) else None, list(token_ids), None,
+        return RequestOutput(f"rejected-{index}", text if isinstance(text, str) else None, token_ids, None,
                              [completion], True, error=str(error))
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,

@@ -84,6 +84,12 @@ def test_bad_requests_fail_alone(tiny):
     assert "empty" in outs[1].error
     assert "max_model_len=64" in outs[2].error
     assert "999" in outs[3].error and "vocabulary" in outs[3].error
+    outs = llm.generate([3.5, {"text": "x"}, {"prompt_token_ids": [3, 4, 999]}, prompts[0]], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outs] == ["abort", "abort", "abort", "length"]
+    assert "got float" in outs[0].error and "prompt_token_ids" in outs[1].error and "999" in outs[2].error
+    assert outs[2].prompt_token_ids == [3, 4, 999] and outs[3].outputs[0].token_ids == expected[0]
+    with pytest.raises(TypeError, match="got NoneType"):
+        llm.generate(None, GREEDY, use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
         llm.engine.add_request([-1], GREEDY)
     assert not llm.engine.has_unfinished_requests()
