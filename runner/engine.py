@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from configs import EngineConfig, RequestOutputKind, SamplingParams
-from configs.sampling_params import truncate_prompt
+from configs.sampling_params import SEED_MAX, truncate_prompt
 from models.config_json import ConfigFileError
 from models.hf_config import load_hf_config, model_spec, resolve_max_model_len
 from runner.detokenizer import IncrementalDetokenizer
@@ -269,7 +269,8 @@ class LLMEngine:
             self._add_one(request_id, token_ids, text, params)
             return request_id
         children = [(f"{i}_{request_id}", params.model_copy(update={
-            "n": 1, "seed": None if params.seed is None else params.seed + i})) for i in range(params.n)]
+            "n": 1, "seed": None if params.seed is None else (params.seed + i) % (SEED_MAX + 1)}))
+            for i in range(params.n)]   # seed + i as vLLM, wrapped: torch takes seeds up to SEED_MAX
         for child_id, _ in children:
             self._validate(child_id, token_ids, params)
         parent = ParentRequest(request_id, params.output_kind, [], [None] * params.n, params.n)

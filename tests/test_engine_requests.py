@@ -10,6 +10,7 @@ import torch
 
 from checkpoints import hf_greedy_generate, make_tiny_checkpoint
 from configs import RequestOutputKind, SamplingParams
+from configs.sampling_params import SEED_MAX
 from runner import LLM
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -45,6 +46,17 @@ def test_n_seeded_completions_differ_and_reproduce(tiny, async_scheduling):
     alone = [llm.generate([prompts[0]], SamplingParams(temperature=1.0, seed=7 + i, max_tokens=8, ignore_eos=True),
                           use_tqdm=False)[0].outputs[0].token_ids for i in range(4)]
     assert alone == tokens
+
+
+def test_n_seeds_wrap_at_the_largest_seed(tiny):
+    """The largest seed with n=2: the second completion's seed wraps to 0 (torch takes no larger
+    seed), where seed + 1 failed the step of both completions."""
+    path, prompts = tiny[0], tiny[1]
+    llm = make_llm(path)
+    out = llm.generate([prompts[0]], seeded(2, seed=SEED_MAX), use_tqdm=False)[0]
+    assert out.error is None and [len(c.token_ids) for c in out.outputs] == [8, 8]
+    zero = llm.generate([prompts[0]], seeded(1, seed=0), use_tqdm=False)[0].outputs[0].token_ids
+    assert out.outputs[1].token_ids == zero
 
 
 def test_n_greedy_completions_equal_n1(tiny):
