@@ -79,6 +79,21 @@ def test_fast_launch_queues_even_a_known_kernel(fake_mode):
     assert len(fn.warmups) == 1 and not fn.launches and launcher.fast_launches == 0
 
 
+def test_launch_kernel_queues_with_its_keywords_as_given(fake_mode, monkeypatch):
+    """`fast_launch.launch_kernel` inside queuing_launches queues the compile with the caller's
+    keywords (as `launch` would), and never relaunches a kernel its FastLaunch already holds."""
+    from types import SimpleNamespace
+    from launch import fast_launch
+    fn = FakeJIT()
+    fn.params = [SimpleNamespace(name=n, is_constexpr=n == "BLOCK", do_not_specialize=False, has_default=False)
+                 for n in ("x", "BLOCK")]
+    fn.device_caches = {}
+    monkeypatch.setitem(fast_launch._launchers, fn, FastLaunch(fn, stream_of=lambda index: 0))
+    with ahead.compile_ahead(1), ahead.queuing_launches():
+        assert fast_launch.launch_kernel(fn, (2,), 7, BLOCK=8, num_warps=2) is None
+    assert fn.warmups == [((2,), (7,), {"BLOCK": 8, "num_warps": 2})] and not fn.launches
+
+
 def test_no_threads_or_no_async_mode_means_launches_run(monkeypatch):
     fn = FakeJIT()
     with ahead.compile_ahead(0) as queued:
