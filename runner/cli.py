@@ -23,6 +23,29 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {'; '.join(lines)}" if lines else type(error).__name__
 
 
+def _usage_line(error: BaseException, parser: argparse.ArgumentParser) -> str:
+    """A bad option value in one line naming what the user set: each of pydantic's errors as
+    `--field-name: message (got value)` where the field is one of `parser`'s flags (the configs'
+    field names are the flags' names with dashes), else as `Config.field: ...` (a field inside a
+    JSON option such as --kernel-config); anything else as `_one_line`."""
+    errors = getattr(error, "errors", None)
+    if not callable(errors):
+        return _one_line(error)
+    flags = parser._option_string_actions
+    for action in parser._actions:   # the subcommand's own flags
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                flags = {**flags, **sub._option_string_actions}
+    parts = []
+    for item in errors():
+        fields = [part for part in item.get("loc", ()) if isinstance(part, str)]
+        got = f" (got {item['input']!r})" if "input" in item and not isinstance(item["input"], dict) else ""
+        flag = f"--{fields[-1].replace('_', '-')}" if fields else None
+        where = flag if flag in flags else ".".join([getattr(error, "title", "config"), *fields]) if fields else None
+        parts.append(f"{where}: {item['msg']}{got}" if where else f"{item['msg']}{got}")
+    return "; ".join(parts)
+
+
 def _read_prompts(parser: argparse.ArgumentParser, path: str) -> list[str]:
     """The `prompt` fields of a JSONL file; a missing file or a bad line is a usage error."""
     prompts = []
@@ -88,7 +111,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         EngineConfig.from_kwargs(model=args.model, **options)
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     except (ValidationError, ValueError, TypeError) as error:
-        parser.error(_one_line(error))
+        parser.error(_usage_line(error, parser))
     with LLM(model=args.model, **options) as llm:
         started = time.perf_counter()
         if args.chat:
@@ -115,8 +138,14 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from runner.server.api_server import serve
-    return serve(args)
+    from pydantic import ValidationError
+
+    from runner.server.api_server import configs_from_args, serve
+    try:  # invalid option values are usage errors (exit 2), named by their flag
+        configs = configs_from_args(args)
+    except (ValidationError, ValueError, TypeError) as error:
+        parser.error(_usage_line(error, parser))
+    return serve(args, configs)
 
 
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

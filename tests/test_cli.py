@@ -47,13 +47,25 @@ def _one_line_error(stderr: str) -> str:
     (["--max-tokens", "many"], "--max-tokens"),
     (["--cudagraph-mode", "SOMETIMES"], "--cudagraph-mode"),
     (["--device", "tpu"], "--device"),
-    (["--max-model-len", "0"], "max_model_len"),
-    (["--temperature", "-1"], "temperature"),
+    (["--max-model-len", "0"], "--max-model-len: Input should be greater than or equal to 1 (got 0)"),
+    (["--temperature", "-1"], "--temperature: Input should be greater than or equal to 0 (got -1.0)"),
     (["--no-such-option"], "--no-such-option"),
-], ids=["not-an-int", "unknown-mode", "unknown-device", "config-range", "sampling-range", "unknown-option"])
+    (["--kernel-config", '{"fast_launch": "x"}'], "KernelConfig.fast_launch: Input should be a valid boolean"),
+], ids=["not-an-int", "unknown-mode", "unknown-device", "config-range", "sampling-range", "unknown-option",
+        "json-config-field"])
 def test_bad_usage_exits_2_naming_the_option(argv, named, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["generate", "--model", "/nowhere", *argv])
+    assert exit_info.value.code == 2
+    stderr = capsys.readouterr().err
+    assert named in stderr and "Traceback" not in stderr
+
+
+@pytest.mark.parametrize("argv, named", [(["--port", "99999"], "--port: Input should be less than or equal to 65535"),
+                                         (["--max-num-seqs", "0"], "--max-num-seqs: Input should be greater")])
+def test_bad_serve_options_exit_2_naming_the_flag_before_anything_starts(argv, named, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "/nowhere", *argv])
     assert exit_info.value.code == 2
     stderr = capsys.readouterr().err
     assert named in stderr and "Traceback" not in stderr

@@ -89,7 +89,16 @@ def engine_in_own_process(config: ServerConfig, engine_config: EngineConfig) -> 
     return resolve_device(engine_config.device).type == "cuda"
 
 
-def serve(args: argparse.Namespace) -> int:
+def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]:
+    """The server's and the engine's configs from `graphrunner serve`'s flags (a bad value raises
+    pydantic's ValidationError, which the CLI reports as a usage error naming the flag)."""
+    config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                          max_waiting_requests=args.max_waiting_requests, uvicorn_log_level=args.uvicorn_log_level,
+                          engine_process=args.engine_process, loop=args.loop, http=args.http)
+    return config, EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args))
+
+
+def serve(args: argparse.Namespace, configs: tuple[ServerConfig, EngineConfig] | None = None) -> int:
     import uvicorn
 
     from runner.async_llm import AsyncLLM
@@ -97,11 +106,8 @@ def serve(args: argparse.Namespace) -> int:
     from runner.engine_process import engine_info
     from runner.server.app import build_app
 
-    config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                          max_waiting_requests=args.max_waiting_requests, uvicorn_log_level=args.uvicorn_log_level,
-                          engine_process=args.engine_process, loop=args.loop, http=args.http)
+    config, engine_config = configs or configs_from_args(args)
     run_event_loop = event_loop_runner(config.loop)  # a missing uvloop fails before the engine starts
-    engine_config = EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args))
     logger.setLevel(logging.INFO)  # the start-up and ready lines show without -v
     started = time.perf_counter()
     engine_process = engine_in_own_process(config, engine_config)
