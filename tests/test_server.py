@@ -260,6 +260,19 @@ def test_bad_completion_input_is_400_naming_the_field(client, body, param):
         assert param in error["message"] or param == "prompt"
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_constraint_that_does_not_parse_is_400_naming_the_field(client, stream):
+    """Refused before any stream starts: a 400, not an error event inside a 200 stream."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="default", messages=CHAT, max_tokens=4, stream=stream,
+                                       extra_body={"structured_outputs": {"regex": "(("}})
+    assert caught.value.body["param"] == "structured_outputs" and "regular expression" in caught.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="default", prompt="Hi", max_tokens=4, stream=stream, extra_body={
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}})
+    assert caught.value.body["param"] == "response_format" and "JSON schema" in caught.value.body["message"]
+
+
 def test_a_body_that_is_not_json_is_400(server):
     url = urlparse(server.url)
     connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)

@@ -159,10 +159,13 @@ class _SamplingRequest(_Request):
             values["structured_outputs"] = structured
         return build_sampling_params(values, field_names=self._field_names())
 
+    def structured_param(self) -> str:
+        """The request field that set the output constraint (for error messages)."""
+        return "response_format" if self.response_format is not None else "structured_outputs"
+
     def _field_names(self) -> dict[str, str]:
         """SamplingParams field -> the request field a client set (for error messages)."""
-        names = {"structured_outputs": "response_format" if self.response_format is not None else "structured_outputs"}
-        return names
+        return {"structured_outputs": self.structured_param()}
 
 
 def build_sampling_params(values: dict[str, Any], field_names: dict[str, str] | None = None) -> SamplingParams:

@@ -61,12 +61,25 @@ class OpenAIServing:
         self.need_tokenizer(param)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def check_token_ids(self, params: SamplingParams) -> None:
-        """A 400 naming the field for token ids outside the vocabulary (logit_bias, allowed_token_ids),
-        before the request reaches the engine (which would refuse it too, without the field)."""
+    def check_params(self, params: SamplingParams, structured_param: str = "structured_outputs") -> None:
+        """400s naming the field for what the engine would refuse when the request reaches it: token
+        ids outside the vocabulary (logit_bias, allowed_token_ids) and a constraint xgrammar cannot
+        parse (`structured_param`: the request field that set it). Checked here, a streamed request
+        is refused before its stream starts, like any other bad request (from the engine the
+        refusal could only be an error event inside a 200 stream). Parsing a constraint takes well
+        under a millisecond (runner/structured_output/grammar.py); compiling it stays in the engine."""
         vocab = self.engine.vocab_size
         for name, outside in params.token_ids_outside(vocab).items():
             raise APIError(f"{name} has token id(s) {outside[:5]} outside the vocabulary [0, {vocab})", param=name)
+        if params.structured_outputs is not None:
+            try:
+                from runner.structured_output.grammar import InvalidGrammarError, parse_grammar
+            except ImportError:   # no xgrammar here: the engine refuses the request itself
+                return
+            try:
+                parse_grammar(params.structured_outputs)
+            except InvalidGrammarError as error:
+                raise APIError(str(error), param=structured_param) from None
 
     def check_length(self, token_ids: list[int], max_tokens: int | None, param: str,
                      max_tokens_param: str = "max_tokens") -> int:

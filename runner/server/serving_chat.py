@@ -42,7 +42,7 @@ class ServingChat(OpenAIServing):
                                        limit_param)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = request.sampling_params(max_tokens, logprobs, request.stream)
-        self.check_token_ids(params)
+        self.check_params(params, request.structured_param())
         self.check_capacity()
         return token_ids, params
 

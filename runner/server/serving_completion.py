@@ -51,7 +51,7 @@ class ServingCompletion(OpenAIServing):
             token_ids = kept
             max_tokens = self.check_length(token_ids, request.max_tokens, "prompt")
             params = request.sampling_params(max_tokens, request.logprobs, request.stream)
-            self.check_token_ids(params)
+            self.check_params(params, request.structured_param())
             runs.append((token_ids, text, params))
         self.check_capacity()
         return runs
