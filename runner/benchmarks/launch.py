@@ -1,13 +1,15 @@
-"""Host cost of the eager part of a PIECEWISE layer: one attention launch and one graph replay.
+"""Host cost of eager kernel launches: attention, the fused per-layer kernels, a graph replay.
 
     graphrunner bench launch [--calls 300] [--out DIR]
 
 PIECEWISE replays a graph segment per layer and launches attention eagerly between segments, so
-its step time on a small model is bound by host microseconds per layer, not by the GPU. This
-measures, for the SmolLM2-135M decode shape at batch 1 and 32 (9 query / 3 KV heads, head_dim 64,
-context 160):
-- `unified_attention` per call, through Triton's `JITFunction.run` (KernelConfig.fast_launch=False)
-  and through launch/fast_launch.py;
+its step time on a small model is bound by host microseconds per layer, not by the GPU; and a
+start-up's graph captures run every layer's kernels once per graph from Python. This measures:
+- `unified_attention` per call for the SmolLM2-135M decode shape at batch 1 and 32 (9 query / 3 KV
+  heads, head_dim 64, context 160), through Triton's `JITFunction.run`
+  (KernelConfig.fast_launch=False) and through launch/fast_launch.py;
+- the fused `add_rms_norm` (64 x 1024 bf16, with a residual) and `silu_and_mul` (64 x 2 x 3072
+  bf16) per call, whole Python entry points (their output allocations included), both ways;
 - `torch.cuda.CUDAGraph.replay()` of a one-kernel graph.
 Host time = perf_counter over `--calls` back-to-back calls (no sync inside; the GPU work per call
 is a few microseconds, so the launch queue never fills), median of 5 repeats, microseconds per call.
@@ -55,6 +57,16 @@ def attention_case(batch_size: int, context: int = 160):
     return call
 
 
+def fused_cases() -> dict:
+    """The fused per-layer kernels' entry points, as a layer calls them (launch_kernel)."""
+    from models import fused_kernels
+    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+    residual, weight = torch.randn_like(x), torch.randn(1024, device="cuda", dtype=torch.bfloat16)
+    gate_up = torch.randn(64, 2 * 3072, device="cuda", dtype=torch.bfloat16)
+    return {"add_rms_norm 64x1024": lambda: fused_kernels.add_rms_norm(x, weight, 1e-6, residual),
+            "silu_and_mul 64x3072": lambda: fused_kernels.silu_and_mul(gate_up)}
+
+
 def graph_replay_case():
     x = torch.zeros(1024, device="cuda")
     stream = torch.cuda.Stream()
@@ -90,6 +102,10 @@ def run(argv: list[str] | None = None) -> dict:
             with using_kernel_config(fast_launch=fast == "1"):
                 name = f"unified_attention bs{batch_size} ({'fast launch' if fast == '1' else 'JITFunction.run'})"
                 rows[name] = host_us(call, args.calls)
+    for label, call in fused_cases().items():
+        for fast in (False, True):
+            with using_kernel_config(fast_launch=fast):
+                rows[f"{label} ({'fast launch' if fast else 'JITFunction.run'})"] = host_us(call, args.calls)
     rows["CUDAGraph.replay (1 kernel)"] = host_us(graph_replay_case(), args.calls)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("| host work | us per call |\n|---|---:|")
