@@ -57,11 +57,12 @@ def launch(fn: Any, grid: tuple, *args: Any, **options: Any) -> Any:
 
 
 def launch_key(fn: Any, args: tuple, options: dict) -> tuple:
-    """The variant a launch compiles: `fn`, its arguments' specialisation (specialisation.py;
-    every parameter counted as specialised when `fn` does not list them) and its keyword
-    arguments (constexprs, compile options) by value."""
+    """The variant a launch compiles: `fn` (by id: hashing a JITFunction takes a lock and its
+    `cache_key` property; the kernels outlive the queuing block), its arguments' specialisation
+    (specialisation.py; every parameter counted as specialised when `fn` does not list them) and
+    its keyword arguments (constexprs, compile options) by value."""
     kinds = param_kinds(fn) or (SPECIALISED,) * len(args)
-    return (fn, tuple(specialisation(args, kinds)), tuple(sorted(options.items())))
+    return (id(fn), tuple(specialisation(args, kinds)), tuple(sorted(options.items())))
 
 
 def compile_threads(configured: int | None) -> int:

@@ -88,7 +88,7 @@ def test_launch_kernel_queues_with_its_keywords_as_given(fake_mode, monkeypatch)
     fn.params = [SimpleNamespace(name=n, is_constexpr=n == "BLOCK", do_not_specialize=False, has_default=False)
                  for n in ("x", "BLOCK")]
     fn.device_caches = {}
-    monkeypatch.setitem(fast_launch._launchers, fn, FastLaunch(fn, stream_of=lambda index: 0))
+    monkeypatch.setitem(fast_launch._launchers, id(fn), fast_launch._KeywordLauncher(fn, FastLaunch(fn, stream_of=lambda index: 0)))
     with ahead.compile_ahead(1), ahead.queuing_launches():
         assert fast_launch.launch_kernel(fn, (2,), 7, BLOCK=8, num_warps=2) is None
     assert fn.warmups == [((2,), (7,), {"BLOCK": 8, "num_warps": 2})] and not fn.launches

@@ -208,7 +208,8 @@ def _keyword_fake(monkeypatch):
     fn = FakeJITFunction(["spec", "spec", "constexpr", "constexpr"])
     for param, name in zip(fn.params, ["x", "n", "BLOCK", "FLAG"]):
         param.name, param.has_default, param.default = name, name == "FLAG", False
-    monkeypatch.setitem(fast_launch._launchers, fn, FastLaunch(fn, stream_of=lambda index: 1000 + index))
+    monkeypatch.setitem(fast_launch._launchers, id(fn),
+                        fast_launch._KeywordLauncher(fn, FastLaunch(fn, stream_of=lambda index: 1000 + index)))
     monkeypatch.setattr(fast_launch, "_current_device", lambda: 0)
     return fn
 
@@ -233,4 +234,4 @@ def test_launch_kernel_calls_that_do_not_map_take_tritons_path_as_given(monkeypa
     for _ in range(2):
         fast_launch.launch_kernel(fn, (2,), x, 32, **kwargs)
     assert fn.slow_calls == [((2,), (x, 32), kwargs)] * 2
-    assert fast_launch._launchers[fn].fast_launches == 0
+    assert fast_launch._launchers[id(fn)].launcher.fast_launches == 0
