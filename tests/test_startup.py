@@ -114,12 +114,12 @@ def test_generate_options_size_the_engine_and_reach_its_config(recorded_llm):
 
 
 @pytest.mark.parametrize("argv, named", [
-    (["--kv-cache-memory", "lots"], "kv_cache_memory"),
-    (["--kv-cache-memory", "0"], "kv_cache_memory"),
-    (["--threads", "0"], "threads"),
-    (["--max-num-seqs", "0"], "max_num_seqs"),
+    (["--kv-cache-memory", "lots"], "--kv-cache-memory: "),
+    (["--kv-cache-memory", "0"], "--kv-cache-memory: "),
+    (["--threads", "0"], "--threads: "),
+    (["--max-num-seqs", "0"], "--max-num-seqs: "),
 ], ids=["not-a-size", "zero-bytes", "zero-threads", "zero-seqs"])
-def test_bad_sizes_are_usage_errors_naming_the_field(argv, named, capsys):
+def test_bad_sizes_are_usage_errors_naming_the_flag(argv, named, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["generate", "--model", "/nowhere", *argv])
     assert exit_info.value.code == 2
