@@ -66,6 +66,14 @@ def test_vllm_extras_not_built_are_refused_naming_the_field(field, value):
     CompletionRequest(prompt="x", use_beam_search=False).sampling_params(4, None, False)   # the neutral value is fine
 
 
+def test_stream_options_need_stream():
+    """vLLM's rule: stream_options without stream=true is a 400 naming it."""
+    with pytest.raises(APIError) as caught:
+        CompletionRequest(prompt="x", stream_options={"include_usage": True}).sampling_params(4, None, False)
+    assert caught.value.param == "stream_options"
+    CompletionRequest(prompt="x", stream=True, stream_options={"include_usage": True}).sampling_params(4, None, True)
+
+
 def test_truncate_prompt_tokens_is_checked_with_the_request():
     from pydantic import ValidationError
     from configs.sampling_params import truncate_prompt

@@ -135,6 +135,8 @@ class _SamplingRequest(_Request):
                            ("prompt_embeds", "prompt embeddings")):
             if getattr(self, name) not in (None, False, []):
                 raise APIError(f"{what} ({name}) is not supported by this server", param=name)
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options can only be given with stream=true", param="stream_options")
         values: dict[str, Any] = {"max_tokens": max_tokens, "min_tokens": self.min_tokens,
                                   "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
                                   "output_kind": RequestOutputKind.DELTA}
