@@ -135,15 +135,15 @@ class CompilationConfig(_Config):
                     "variant loads inside the capture (runner/cudagraph/wrapper.py); None (auto): off on one "
                     "device, on under tensor or pipeline parallelism, where captures without a warm-up have not "
                     "been checked on GPUs [GRAPHRUNNER_WARM_UP_EVERY_CAPTURE]")
-
-    def warms_up_every_capture(self, world_size: int) -> bool:
-        """`warm_up_every_capture`, its auto value resolved for this many ranks."""
-        return self.warm_up_every_capture if self.warm_up_every_capture is not None else world_size > 1
     compile_threads: int | None = Field(
         default_factory=env_default("GRAPHRUNNER_COMPILE_THREADS", "CompilationConfig.compile_threads", None, int),
         ge=0, description="threads that compile the start-up's Triton kernels ahead of their first launch; "
                           "None: one per CPU up to 16; 0: each compiles at its first launch "
                           "[GRAPHRUNNER_COMPILE_THREADS]")
+
+    def warms_up_every_capture(self, world_size: int) -> bool:
+        """`warm_up_every_capture`, its auto value resolved for this many ranks."""
+        return self.warm_up_every_capture if self.warm_up_every_capture is not None else world_size > 1
 
     @field_validator("cudagraph_mode", mode="before")
     @classmethod

@@ -31,18 +31,21 @@ def _usage_line(error: BaseException, parser: argparse.ArgumentParser) -> str:
     errors = getattr(error, "errors", None)
     if not callable(errors):
         return _one_line(error)
-    flags = parser._option_string_actions
-    for action in parser._actions:   # the subcommand's own flags
+    flags = set(parser._option_string_actions)
+    for action in parser._actions:   # and every subcommand's flags
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
-                flags = {**flags, **sub._option_string_actions}
+                flags.update(sub._option_string_actions)
     parts = []
     for item in errors():
         fields = [part for part in item.get("loc", ()) if isinstance(part, str)]
         got = f" (got {item['input']!r})" if "input" in item and not isinstance(item["input"], dict) else ""
-        flag = f"--{fields[-1].replace('_', '-')}" if fields else None
-        where = flag if flag in flags else ".".join([getattr(error, "title", "config"), *fields]) if fields else None
-        parts.append(f"{where}: {item['msg']}{got}" if where else f"{item['msg']}{got}")
+        message = f"{item['msg']}{got}"
+        if fields:
+            flag = f"--{fields[-1].replace('_', '-')}"
+            where = flag if flag in flags else ".".join([getattr(error, "title", "config"), *fields])
+            message = f"{where}: {message}"
+        parts.append(message)
     return "; ".join(parts)
 
 

@@ -163,8 +163,7 @@ class ModelRunner(GraphStartUp):
         forward = self.model_forward = functools.partial(forward_with_decode_head, self.model)
         compilation = self.config.compilation
         check = AddressCheck.from_config(compilation.check_cudagraph_addresses, compilation.debug_cudagraph_addresses)
-        parallel = self.config.parallel
-        warm_every = compilation.warms_up_every_capture(parallel.tensor_parallel_size * parallel.pipeline_parallel_size)
+        warm_every = compilation.warms_up_every_capture(self.config.parallel.world_size)
         self.piecewise = self.full = None
         if self.cudagraph_mode.has_piecewise():
             forward = self.piecewise = CUDAGraphWrapper(forward, CUDAGraphMode.PIECEWISE, pool,

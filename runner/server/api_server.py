@@ -98,7 +98,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, EngineCon
     return config, EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args))
 
 
-def serve(args: argparse.Namespace, configs: tuple[ServerConfig, EngineConfig] | None = None) -> int:
+def serve(args: argparse.Namespace, configs: tuple[ServerConfig, EngineConfig]) -> int:
+    """Start the engine for `configs` (`configs_from_args(args)`), warm it up and serve until stopped."""
     import uvicorn
 
     from runner.async_llm import AsyncLLM
@@ -106,7 +107,7 @@ def serve(args: argparse.Namespace, configs: tuple[ServerConfig, EngineConfig] |
     from runner.engine_process import engine_info
     from runner.server.app import build_app
 
-    config, engine_config = configs or configs_from_args(args)
+    config, engine_config = configs
     run_event_loop = event_loop_runner(config.loop)  # a missing uvloop fails before the engine starts
     logger.setLevel(logging.INFO)  # the start-up and ready lines show without -v
     started = time.perf_counter()

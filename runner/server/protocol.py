@@ -107,11 +107,15 @@ class _SamplingRequest(_Request):
         """The bias by token id; a key that is not an integer is a 400 naming logit_bias."""
         if not self.logit_bias:
             return None
-        try:
-            return {int(token): bias for token, bias in self.logit_bias.items()}
-        except ValueError:
-            bad = [token for token in self.logit_bias if not token.strip().lstrip("-").isdigit()]
-            raise APIError(f"logit_bias keys must be token ids (integers), got {bad[:5]}", param="logit_bias") from None
+        bias, bad = {}, []
+        for token, value in self.logit_bias.items():
+            try:
+                bias[int(token)] = value
+            except ValueError:
+                bad.append(token)
+        if bad:
+            raise APIError(f"logit_bias keys must be token ids (integers), got {bad[:5]}", param="logit_bias")
+        return bias
 
     def _structured_outputs(self) -> dict[str, Any] | None:
         if self.structured_outputs:
