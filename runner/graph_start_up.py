@@ -81,12 +81,12 @@ class GraphStartUp:
         """Start-up inside this block compiles its Triton kernels on compiler threads
         (launch/compile_ahead.py) instead of one at a time at their first launch.
         Entering queues the compile of every variant the profile run and the graph captures will
-        launch: their inert batches run once through the model itself (no graph wrapper), the
-        profile batch without a KV cache, each capture key in its runtime mode (so FULL's split-KV
-        attention and the decode head pick the variants the capture will) against a one-block
-        scratch KV cache of the real cache's layout; and, on the rank that samples, the eager
-        greedy argmax for every row count up to max_num_seqs (runner/greedy.queue_variants). The
-        compiles then run while the block does its work: a launch of a kernel still compiling
+        launch: on the rank that samples, the sampler's (its sort kernel is the longest compile:
+        queued first, it starts first) and every variant of the eager greedy argmax
+        (runner/greedy.queue_variants); then the inert batches run once through the model itself
+        (no graph wrapper), the profile batch without a KV cache, each capture key in its runtime
+        mode (so FULL's split-KV attention and the decode head pick the variants the capture will)
+        against a one-block scratch KV cache of the real cache's layout. The compiles then run while the block does its work: a launch of a kernel still compiling
         waits for that one. Leaving waits for the rest. A plain block on a CPU, with graphs off, with
         CompilationConfig.compile_threads=0, or with `queue` False (every rank found the record of
         an earlier start-up of this configuration, `earlier_start_up`: the cached kernels load
@@ -105,10 +105,10 @@ class GraphStartUp:
         started = time.perf_counter()
         with compile_ahead(threads) as asynchronous:
             if asynchronous:
-                with queuing_launches():
-                    self._run_start_up_batches(self.model_forward)
+                with queuing_launches():   # the compiles start in this order: the sampler's sort first
                     if self.model.model.is_last:
                         self.queue_sampling_variants()
+                    self._run_start_up_batches(self.model_forward)
                 self.precompile_seconds = time.perf_counter() - started
                 logger.info("queued the compiles of the start-up's kernels (%d graph shapes) on %d threads in "
                             "%.2f s", len(self.dispatcher.all_keys_to_capture()), threads, self.precompile_seconds)
@@ -120,14 +120,14 @@ class GraphStartUp:
         """Inside `queuing_launches`: the sampler's kernels of the profile run (the same call on
         a batch of the profile run's rows, without logprobs: their gather would index with the
         draw's tokens, which a queued launch never writes; the kernels are the same), and, on the
-        rank that samples, the eager greedy argmax for every row count (runner/greedy.queue_variants)."""
+        rank that samples, every variant of the eager greedy argmax (runner/greedy.queue_variants)."""
         from runner import greedy
         from runner.model_runner import PROFILE_SAMPLING
         rows = min(self.max_num_reqs, sum(self.profile_lengths()))
         hidden = torch.zeros(rows, self.spec.hidden_size, dtype=self.dtype, device=self.device)
         self.profile_sampling(hidden, PROFILE_SAMPLING.model_copy(update={"logprobs": None}))
         if self.tp_rank == 0:
-            greedy.queue_variants(self.max_num_reqs, self.spec.vocab_size, (self.dtype, torch.float32), self.device)
+            greedy.queue_variants(self.spec.vocab_size, (self.dtype, torch.float32), self.device)
 
     def _run_start_up_batches(self, forward) -> None:
         """The profile batch (no KV cache), then every capture key's inert batch in the key's

@@ -28,7 +28,8 @@ from launch.pdl import use_pdl, wait_for_producers
 BLOCK = 1024
 """Logits a program reads per loop step (8 per thread at 4 warps: one 16-byte load in bf16)."""
 MAX_CHUNKS = 64
-"""Chunks per row at most: pass 2 reduces them as one vector."""
+"""Chunks per row at most: pass 2 reduces them as one vector of this width (masked past the row's
+count), so every row count launches one variant of it."""
 
 
 @triton.jit
@@ -60,7 +61,7 @@ def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, V, stride_row, chunk_len, mas
     tl.store(idx_ptr + slot, first)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunks"])
 def _argmax_rows_kernel(val_ptr, idx_ptr, out_ptr, chunks, CHUNKS_PAD: tl.constexpr, PDL: tl.constexpr):
     wait_for_producers(PDL)
     row = tl.program_id(0)
@@ -105,26 +106,24 @@ def masked_argmax_rows(logits: torch.Tensor, bitmask: torch.Tensor, constrained:
     return launch(logits, num_sms(logits.device), (bitmask, constrained))
 
 
-def queue_variants(max_rows: int, vocab: int, dtypes: tuple[torch.dtype, ...], device: torch.device) -> None:
+def queue_variants(vocab: int, dtypes: tuple[torch.dtype, ...], device: torch.device) -> None:
     """Inside compile_ahead's `queuing_launches` (start-up): queue the compile of every variant
-    `argmax_rows` and `masked_argmax_rows` can launch for 1..max_rows rows of `vocab` logits in
-    `dtypes`. The eager argmax runs on the steps whose graph did not take it (mixed batches, the
-    sampler's greedy rows), so without this each new row count compiled its variant inside the
-    serving loop. What a row count changes (`variant_key`): the chunk count (pass 2's CHUNKS_PAD
-    and Triton's specialisation of `chunks`) and the alignment of the scratch's index half; so one
-    row count per key is queued, and structured output's flags at an aligned and a 4-byte offset."""
+    `argmax_rows` and `masked_argmax_rows` can launch for `vocab` logits in `dtypes`. The eager
+    argmax runs on the steps whose graph did not take it (mixed batches, the sampler's greedy rows),
+    so without this a variant compiled inside the serving loop. The row count changes no variant
+    (`launch` keeps every pointer 16-byte aligned and pass 2 neither specialises on the chunk count
+    nor pads it to a row-dependent width), so one row is queued per dtype: unmasked, and masked with
+    the flags at an aligned and at a 4-byte offset (a request's row inside serving's flags)."""
     width = -(-vocab // 32)
-    bitmask = torch.empty(max_rows, width, dtype=torch.int32, device=device)
-    flags = torch.empty(max_rows + 1, dtype=torch.int32, device=device)
+    bitmask = torch.empty(1, width, dtype=torch.int32, device=device)
+    flags = torch.empty(2, dtype=torch.int32, device=device)
     sms = num_sms(device)
-    row_counts = list({variant_key(rows, vocab, sms): rows for rows in range(max_rows, 0, -1)}.values())
-    storage = torch.empty(max_rows * vocab * max(d.itemsize for d in dtypes), dtype=torch.uint8, device=device)
-    for dtype in dtypes:   # one allocation for all dtypes: contiguous [rows, vocab] views of it
-        logits = storage[:max_rows * vocab * dtype.itemsize].view(dtype).view(max_rows, vocab)
-        for rows in row_counts:
-            launch(logits[:rows], sms)
-            for constrained in (flags[:rows], flags[1:rows + 1]):   # 16-byte aligned, and not
-                launch(logits[:rows], sms, (bitmask[:rows], constrained))
+    storage = torch.empty(vocab * max(d.itemsize for d in dtypes), dtype=torch.uint8, device=device)
+    for dtype in dtypes:   # one allocation for all dtypes: a contiguous [1, vocab] view of it
+        logits = storage[:vocab * dtype.itemsize].view(dtype).view(1, vocab)
+        launch(logits, sms)
+        for constrained in (flags[:1], flags[1:]):   # 16-byte aligned, and not
+            launch(logits, sms, (bitmask, constrained))
 
 
 def chunking(rows: int, vocab: int, sms: int) -> tuple[int, int]:
@@ -134,20 +133,13 @@ def chunking(rows: int, vocab: int, sms: int) -> tuple[int, int]:
     return -(-vocab // chunk_len), chunk_len
 
 
-def variant_key(rows: int, vocab: int, sms: int) -> tuple[int, bool]:
-    """What decides the compiled variants of a launch for `rows` rows besides the dtypes and the
-    mask: the chunk count, and whether the scratch's index half (after rows x chunks fp32 values)
-    starts 16-byte aligned."""
-    chunks, _ = chunking(rows, vocab, sms)
-    return chunks, rows * chunks % 4 == 0
-
-
 def launch(logits: torch.Tensor, sms: int, masked: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The two launches for `sms` SMs (any device: the tests run them in Triton's interpreter);
     `masked`: (bitmask, constrained rows), as `masked_argmax_rows` takes them."""
     rows, vocab = logits.shape
     chunks, chunk_len = chunking(rows, vocab, sms)
-    scratch = torch.empty(2, rows * chunks, dtype=torch.float32, device=logits.device)
+    slots = -(-rows * chunks // 4) * 4   # each half 16-byte aligned: the row count picks no variant
+    scratch = torch.empty(2, slots, dtype=torch.float32, device=logits.device)
     vals, idxs = scratch[0], scratch[1].view(torch.int32)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     # Launched eagerly after every step: FastLaunch skips Triton's per-call binding (every
@@ -158,6 +150,6 @@ def launch(logits: torch.Tensor, sms: int, masked: tuple[torch.Tensor, torch.Ten
     _chunks_launch((rows, chunks), logits, vals, idxs, vocab, logits.stride(0), chunk_len, bitmask,
                    bitmask.stride(0), constrained, BLOCK, masked is not None, pdl,
                    device_index=device_index, num_warps=4, num_stages=1, launch_pdl=pdl)
-    _rows_launch((rows,), vals, idxs, out, chunks, triton.next_power_of_2(chunks), pdl,
+    _rows_launch((rows,), vals, idxs, out, chunks, MAX_CHUNKS, pdl,
                  device_index=device_index, num_warps=1, num_stages=1, launch_pdl=pdl)
     return out

@@ -1,6 +1,7 @@
 """runner/greedy.py: the GPU argmax equals torch's argmax (first maximum), run here in Triton's
 interpreter with several chunk counts; the GPU run is in tests/test_triton_gpu.py."""
 
+import inspect
 import os
 
 import pytest
@@ -75,32 +76,50 @@ def test_masked_argmax_equals_masking_then_argmax(rows, vocab, sms, dtype):
         assert torch.equal(greedy.masked_argmax_rows(x.cuda(), bitmask.cuda(), constrained.cuda()).cpu(), got.cpu())
 
 
-def test_queue_variants_covers_every_row_counts_variant(monkeypatch):
-    """Start-up queues the eager argmax's compiles (runner/graph_start_up.py): for every row count up
-    to max_num_seqs a launch of the same variant key (chunk count, scratch alignment), each dtype,
-    unmasked and masked with the flags 16-byte aligned and not, on logits laid out as serving's."""
+def test_queue_variants_launches_one_row_per_dtype_and_mask(monkeypatch):
+    """Start-up queues the eager argmax's compiles (runner/graph_start_up.py): each dtype once
+    unmasked and once masked with the flags 16-byte aligned and not, on logits laid out as serving's."""
     calls = []
     monkeypatch.setattr(greedy, "num_sms", lambda device: 132)
     monkeypatch.setattr(greedy, "launch", lambda logits, sms, masked=None: calls.append(
-        (logits.shape[0], logits.dtype, logits.stride(), sms,
+        (logits.shape, logits.dtype, logits.stride(), sms,
          None if masked is None else (masked[0].shape, masked[1].storage_offset() * 4 % 16 == 0))))
     vocab = 50000
-    greedy.queue_variants(300, vocab, (torch.bfloat16, torch.float32), torch.device("cpu"))
-    launched = {c[0] for c in calls}
-    keys = {greedy.variant_key(rows, vocab, 132) for rows in launched}
-    assert len(launched) == len(keys) < 300                                  # one row count per key
-    assert all(greedy.variant_key(rows, vocab, 132) in keys for rows in range(1, 301))
-    for dtype in (torch.bfloat16, torch.float32):
-        for rows in launched:
-            ours = [c for c in calls if c[0] == rows and c[1] == dtype]
-            assert all(c[2] == (vocab, 1) and c[3] == 132 for c in ours)
-            assert sorted(str(c[4]) for c in ours) == sorted(
-                ["None", str((torch.Size([rows, 1563]), True)), str((torch.Size([rows, 1563]), False))])
+    greedy.queue_variants(vocab, (torch.bfloat16, torch.float32), torch.device("cpu"))
+    assert sorted(str(c) for c in calls) == sorted(
+        str((torch.Size([1, vocab]), dtype, (vocab, 1), 132, masked))
+        for dtype in (torch.bfloat16, torch.float32)
+        for masked in (None, (torch.Size([1, 1563]), True), (torch.Size([1, 1563]), False)))
 
 
-def test_variant_key_follows_the_launch():
-    """The key's chunk count is the one `launch` uses (its scratch holds rows x chunks values)."""
+def test_every_row_count_launches_the_same_variants(monkeypatch):
+    """What Triton specialises the two launches on (launch/specialisation.py) does not depend on the
+    row count: the scratch's halves stay 16-byte aligned, pass 2 takes a fixed width and does not
+    specialise the chunk count, and every chunk is whole BLOCKs. So the one row `queue_variants`
+    launches compiles what every row count up to a serving batch will launch."""
+    from launch.specialisation import CONSTEXPR, PLAIN, SPECIALISED, specialisation
+    keys = {}
+
+    class Recording:
+        def __init__(self, fn, name):   # the kinds param_kinds reads off a compiled JITFunction
+            params = inspect.signature(fn.fn).parameters.values()
+            plain = getattr(fn, "kwargs", {}).get("do_not_specialize") or [
+                p.name for p in getattr(fn, "params", ()) if p.do_not_specialize]
+            self.name, self.kinds = name, tuple(
+                CONSTEXPR if "constexpr" in str(p.annotation) else PLAIN if p.name in plain else SPECIALISED
+                for p in params)
+
+        def __call__(self, grid, *args, **options):
+            keys.setdefault(self.name, set()).add(tuple(specialisation(args, self.kinds)))
+
+    monkeypatch.setattr(greedy, "_chunks_launch", Recording(greedy._argmax_chunks_kernel, "chunks"))
+    monkeypatch.setattr(greedy, "_rows_launch", Recording(greedy._argmax_rows_kernel, "rows"))
+    vocab = 128256
+    storage = torch.empty(300 * vocab, dtype=torch.bfloat16)
+    for rows in range(1, 301):
+        greedy.launch(storage[:rows * vocab].view(rows, vocab), 132)
+    assert len(keys["chunks"]) == 1 and len(keys["rows"]) == 1
     for rows, vocab, sms in [(1, 128256, 132), (7, 50000, 132), (64, 1000, 8), (300, 49152, 132)]:
         chunks, chunk_len = greedy.chunking(rows, vocab, sms)
         assert chunk_len % greedy.BLOCK == 0 and (chunks - 1) * chunk_len < vocab <= chunks * chunk_len
-        assert greedy.variant_key(rows, vocab, sms) == (chunks, rows * chunks % 4 == 0)
+        assert chunks <= greedy.MAX_CHUNKS

@@ -170,7 +170,7 @@ def test_queued_sampling_repeats_the_profile_runs_sampler_call_without_logprobs(
     rows = min(runner.max_num_reqs, sum(runner.profile_lengths()))
     expected = ((rows, runner.spec.vocab_size), torch.float32)
     assert calls == [(*expected, 5, False, False, True), (*expected, None, False, False, True)]
-    assert queued == [(runner.max_num_reqs, runner.spec.vocab_size, (torch.float32, torch.float32), runner.device)]
+    assert queued == [(runner.spec.vocab_size, (torch.float32, torch.float32), runner.device)]
 
 
 def test_a_start_up_with_graphs_leaves_a_record_the_next_one_finds(runner_factory, monkeypatch, tmp_path):
