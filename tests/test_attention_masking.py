@@ -76,9 +76,10 @@ def test_decode_step_and_the_c_kernel_declines(window, soft_cap, native, monkeyp
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("window,soft_cap", CASES, ids=IDS)
+@pytest.mark.parametrize("window,soft_cap", CASES + [(None, None)], ids=IDS + ["plain"])
 def test_prefill_without_cache(window, soft_cap):
-    """The profile run / no-cache path: causal within each request's own tokens, windowed, capped."""
+    """The profile run / no-cache path: causal within each request's own tokens (plain layers take
+    SDPA's is_causal, with GQA, over requests of unequal length and an empty one), windowed, capped."""
     gen = torch.Generator().manual_seed(5)
     qsl = torch.tensor([0, 12, 12, 19], dtype=torch.int32)
     query = torch.randn(21, 4, 16, generator=gen) * 4

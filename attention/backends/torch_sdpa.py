@@ -317,8 +317,8 @@ class TorchSDPABackend(AttentionBackend):
         layout = metadata.layouts.get(layout_key)
         window, soft_cap = getattr(layer, "sliding_window", None), getattr(layer, "logits_soft_cap", None)
         plain = window is None and soft_cap is None   # what the C decode kernel computes
-        if layout is None:
-            native = cpu_decode_attention.native_attention()
+        if layout is None:   # the C decode kernel is a CPU's: a GPU never builds or loads it
+            native = query.device.type == "cpu" and cpu_decode_attention.native_attention()
             layout = metadata.layouts[layout_key] = _layout(metadata.common, kv_cache, query.device, query.dtype,
                                                             self.dense_kv, native=plain and native)
         actual = layout.actual
@@ -371,7 +371,14 @@ class TorchSDPABackend(AttentionBackend):
             out[:actual].unflatten(1, (num_kv_heads, group)).copy_(result)
             return
         q = query.index_select(0, layout.q_index).view(num_reqs, max_q, layer.num_heads, head_dim)
-        if soft_cap is None:
+        if soft_cap is None and window is None and kv_cache is None:
+            # No cache (a start-up's profile batch): each request's keys are its own tokens from
+            # position 0, so for every real query row the mask is the causal one (padded rows are
+            # dropped). is_causal lets SDPA take a fused kernel; with an explicit mask a GPU takes
+            # the math path, which materialises [R, Hq, max_q, max_q] scores.
+            result = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, scale=layer.scale,
+                                                    enable_gqa=group != 1)     # [R, Hq, max_q, D]
+        elif soft_cap is None:
             result = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=layer.scale,
                                                     enable_gqa=group != 1)     # [R, Hq, max_q, D]
         else:   # GQA as [R, Hkv, group * max_q] query rows against each KV head's keys
