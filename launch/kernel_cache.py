@@ -45,16 +45,20 @@ def use_triton_cache(cache_dir: str | Path) -> Path | None:
 
 
 def hash_triton_ahead() -> None:
-    """Start computing Triton's own cache key on a daemon thread (once per process). Triton computes
-    `triton.runtime.cache.triton_key()` (a hash of its sources and of libtriton, hundreds of MB) at the
-    first kernel it looks up in its cache, which in a start-up is inside the profile run, on the main
-    thread; begun here, when the engine is set up, it overlaps the set-up and the weight load (file
-    reads and hashing release the GIL). `wait_triton_key` joins it before the first lookup; the key is
-    memoised by Triton, so a failure here only means the first lookup computes it as before."""
+    """Start Triton's two first-kernel costs on a daemon thread (once per process): its own cache key,
+    `triton.runtime.cache.triton_key()` (a hash of its sources and of libtriton, hundreds of MB), and
+    its GPU driver object, whose creation builds Triton's C helper module with the host's C compiler
+    when the cache folder is empty (about half a second: docs/PERFORMANCE.md, "GPU: LLM to ready"). Triton meets
+    both at the first kernel it launches or looks up, which in a start-up is inside the profile run,
+    on the main thread; begun here, when the engine is set up, they overlap the set-up and the weight
+    load (file reads, hashing and the compiler release the GIL). `wait_triton_key` joins the thread
+    before the first lookup; both are memoised by Triton, so a failure here only means the first
+    kernel pays for them as before."""
     global _triton_key_thread
     if _triton_key_thread is not None:
         return
     try:
+        from triton.runtime import driver
         from triton.runtime.cache import triton_key
     except ImportError:
         return
@@ -62,14 +66,16 @@ def hash_triton_ahead() -> None:
     def compute() -> None:
         try:
             triton_key()
-        except Exception as error:  # noqa: BLE001 - the first kernel lookup computes it and reports
-            logger.debug("hashing Triton ahead failed: %s", error)
+            driver.active   # noqa: B018 - the property creates (and keeps) the driver
+        except Exception as error:  # noqa: BLE001 - the first kernel computes them and reports
+            logger.debug("preparing Triton ahead failed: %s", error)
 
     _triton_key_thread = threading.Thread(target=compute, name="triton-key", daemon=True)
     _triton_key_thread.start()
 
 
 def wait_triton_key() -> None:
-    """Wait for `hash_triton_ahead`'s thread, if one runs (rather than hash Triton a second time)."""
+    """Wait for `hash_triton_ahead`'s thread, if one runs (rather than hash Triton, or build its
+    driver, a second time)."""
     if _triton_key_thread is not None:
         _triton_key_thread.join()

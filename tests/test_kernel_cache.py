@@ -52,7 +52,7 @@ print("OK", manager.cache_dir)
 
 def _run_together(script: str, argv_each: list[list[str]]) -> list[str]:
     start_at = f"{time.time() + 3.0:.3f}"   # time for both interpreters to import before the common start
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     children = [subprocess.Popen([sys.executable, "-c", script, argv[0], start_at, *argv[1:]], cwd=REPO, env=env,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for argv in argv_each]
     outputs = []
@@ -100,17 +100,19 @@ def test_triton_compiles_into_the_cache_dir(tmp_path):
         knobs.cache.dir = previous
 
 
-def test_triton_is_hashed_once_on_a_thread_and_waited_for(monkeypatch):
-    """`hash_triton_ahead` computes Triton's own cache key off the main thread, once per process;
-    `wait_triton_key` joins it, and does nothing when none was started."""
+def test_triton_is_hashed_and_its_driver_made_once_on_a_thread_and_waited_for(monkeypatch):
+    """`hash_triton_ahead` computes Triton's own cache key and creates its GPU driver off the main
+    thread, once per process; `wait_triton_key` joins it, and does nothing when none was started."""
     import threading
     import triton.runtime.cache
+    from triton.runtime import driver
     from launch import kernel_cache
     calls = []
     monkeypatch.setattr(kernel_cache, "_triton_key_thread", None)
     kernel_cache.wait_triton_key()   # none started: returns
-    monkeypatch.setattr(triton.runtime.cache, "triton_key", lambda: calls.append(threading.current_thread().name))
+    monkeypatch.setattr(triton.runtime.cache, "triton_key", lambda: calls.append(("key", threading.current_thread().name)))
+    monkeypatch.setattr(type(driver), "active", property(lambda self: calls.append(("driver", threading.current_thread().name))))
     kernel_cache.hash_triton_ahead()
     kernel_cache.hash_triton_ahead()
     kernel_cache.wait_triton_key()
-    assert calls == ["triton-key"]
+    assert calls == [("key", "triton-key"), ("driver", "triton-key")]
