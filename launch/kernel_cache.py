@@ -45,15 +45,15 @@ def use_triton_cache(cache_dir: str | Path) -> Path | None:
 
 
 def hash_triton_ahead() -> None:
-    """Start Triton's two first-kernel costs on a daemon thread (once per process): its own cache key,
-    `triton.runtime.cache.triton_key()` (a hash of its sources and of libtriton, hundreds of MB), and
-    its GPU driver object, whose creation builds Triton's C helper module with the host's C compiler
-    when the cache folder is empty (about half a second: docs/PERFORMANCE.md, "GPU: LLM to ready"). Triton meets
-    both at the first kernel it launches or looks up, which in a start-up is inside the profile run,
-    on the main thread; begun here, when the engine is set up, they overlap the set-up and the weight
-    load (file reads, hashing and the compiler release the GIL). `wait_triton_key` joins the thread
-    before the first lookup; both are memoised by Triton, so a failure here only means the first
-    kernel pays for them as before."""
+    """Start Triton's two first-kernel costs on a daemon thread (once per process): its own cache
+    key, `triton.runtime.cache.triton_key()` (a hash of its sources and of libtriton, hundreds of
+    MB), and its GPU driver object, whose creation builds Triton's C helper module with the host's
+    C compiler when the cache folder is empty (about half a second: docs/PERFORMANCE.md, "GPU: LLM
+    to ready"). Triton meets both at the first kernel it launches or looks up, which in a start-up
+    is inside the profile run, on the main thread; begun here, when the engine is set up, they
+    overlap the set-up and the weight load (file reads, hashing and the compiler release the GIL).
+    `wait_triton_key` joins the thread before the first lookup; both are memoised by Triton, so a
+    failure here only means the first kernel pays for them as before."""
     global _triton_key_thread
     if _triton_key_thread is not None:
         return

@@ -86,8 +86,9 @@ class GraphStartUp:
         (runner/greedy.queue_variants); then the inert batches run once through the model itself
         (no graph wrapper), the profile batch without a KV cache, each capture key in its runtime
         mode (so FULL's split-KV attention and the decode head pick the variants the capture will)
-        against a one-block scratch KV cache of the real cache's layout. The compiles then run while the block does its work: a launch of a kernel still compiling
-        waits for that one. Leaving waits for the rest. A plain block on a CPU, with graphs off, with
+        against a one-block scratch KV cache of the real cache's layout. The compiles then run
+        while the block does its work: a launch of a kernel still compiling waits for that one.
+        Leaving waits for the rest. A plain block on a CPU, with graphs off, with
         CompilationConfig.compile_threads=0, or with `queue` False (every rank found the record of
         an earlier start-up of this configuration, `earlier_start_up`: the cached kernels load
         at their first launch, sooner than the queue pass would find them)."""

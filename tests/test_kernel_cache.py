@@ -110,8 +110,10 @@ def test_triton_is_hashed_and_its_driver_made_once_on_a_thread_and_waited_for(mo
     calls = []
     monkeypatch.setattr(kernel_cache, "_triton_key_thread", None)
     kernel_cache.wait_triton_key()   # none started: returns
-    monkeypatch.setattr(triton.runtime.cache, "triton_key", lambda: calls.append(("key", threading.current_thread().name)))
-    monkeypatch.setattr(type(driver), "active", property(lambda self: calls.append(("driver", threading.current_thread().name))))
+    def record(what):
+        return lambda *args: calls.append((what, threading.current_thread().name))
+    monkeypatch.setattr(triton.runtime.cache, "triton_key", record("key"))
+    monkeypatch.setattr(type(driver), "active", property(record("driver")))
     kernel_cache.hash_triton_ahead()
     kernel_cache.hash_triton_ahead()
     kernel_cache.wait_triton_key()
