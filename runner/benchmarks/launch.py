@@ -10,7 +10,9 @@ start-up's graph captures run every layer's kernels once per graph from Python. 
   (KernelConfig.fast_launch=False) and through launch/fast_launch.py;
 - the fused `add_rms_norm` (64 x 1024 bf16, with a residual) and `silu_and_mul` (64 x 2 x 3072
   bf16) per call, whole Python entry points (their output allocations included), both ways;
-- `torch.cuda.CUDAGraph.replay()` of a one-kernel graph.
+- `torch.cuda.CUDAGraph.replay()` of a one-kernel graph;
+- one cuBLAS GEMM (`F.linear`, 64 x 1024 by 6144 x 1024 bf16: Qwen3-0.6B's gate_up projection at 64
+  tokens) eagerly and while a stream captures it into a graph, as a start-up's captures call it.
 Host time = perf_counter over `--calls` back-to-back calls (no sync inside; the GPU work per call
 is a few microseconds, so the launch queue never fills), median of 5 repeats, microseconds per call.
 """
@@ -80,6 +82,32 @@ def graph_replay_case():
     return graph.replay
 
 
+def linear_case():
+    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(6144, 1024, device="cuda", dtype=torch.bfloat16)
+    return lambda: torch.nn.functional.linear(x, weight)
+
+
+def captured_host_us(fn, calls: int, repeats: int = 5) -> float:
+    """Host microseconds per `fn()` while a stream captures `calls` of them into one graph, median
+    of `repeats` graphs (each dropped after its capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):   # the first call on the capture stream sets up its cuBLAS workspace
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples.append((time.perf_counter() - start) / calls * 1e6)
+        del graph
+    return statistics.median(samples)
+
+
 def main(argv: list[str] | None = None) -> int:
     run(argv)
     return 0
@@ -107,6 +135,8 @@ def run(argv: list[str] | None = None) -> dict:
             with using_kernel_config(fast_launch=fast):
                 rows[f"{label} ({'fast launch' if fast else 'JITFunction.run'})"] = host_us(call, args.calls)
     rows["CUDAGraph.replay (1 kernel)"] = host_us(graph_replay_case(), args.calls)
+    rows["F.linear 64x1024 by 6144x1024 (eager)"] = host_us(linear_case(), args.calls)
+    rows["F.linear 64x1024 by 6144x1024 (while capturing)"] = captured_host_us(linear_case(), args.calls)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("| host work | us per call |\n|---|---:|")
     for name, us in rows.items():
