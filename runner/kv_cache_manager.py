@@ -124,7 +124,7 @@ class KVCacheManager:
         num_tokens = request.num_computed_tokens + len(computed_block_ids) * self.block_size + num_new_tokens
         num_needed = max(cdiv(num_tokens, self.block_size) - len(table) - len(computed_block_ids), 0)
         # Hit blocks that sit in the free queue stop being free once referenced.
-        num_free_hits = sum(1 for b in computed_block_ids if self.pool.blocks[b].ref_count == 0)
+        num_free_hits = sum(1 for b in computed_block_ids if self.pool.ref_counts[b] == 0)
         if num_needed > self.pool.num_free_blocks - num_free_hits:
             return False
         if not table:

@@ -83,7 +83,7 @@ def test_n_prefills_the_prompt_once(tiny, prefix_caching):
         scheduled.append(sched.num_scheduled_tokens)
         tables = [r.block_ids for r in sched.scheduled]
         if len(tables) == 4:
-            shared_refs.append([pool.blocks[b].ref_count for b in tables[0][:2]])
+            shared_refs.append([pool.ref_counts[b] for b in tables[0][:2]])
         return real(sched)
 
     engine.executor.execute = counting

@@ -40,16 +40,16 @@ def check_accounting(kv: KVCacheManager, requests: list[Request]) -> None:
     holders = Counter(b for r in requests for b in r.block_ids)
     for r in requests:
         assert len(set(r.block_ids)) == len(r.block_ids), "a table holds a block twice"
-    for block in pool.blocks:
-        assert block.ref_count == holders.get(block.block_id, 0), f"block {block.block_id} ref count"
-        if block.ref_count > 1:
-            assert block.block_hash is not None, "a block is shared without being a cached block"
-    assert sum(b.ref_count for b in pool.blocks) == sum(len(r.block_ids) for r in requests)
-    in_use = sum(1 for b in pool.blocks if b.ref_count > 0)
+    for block_id, ref_count in enumerate(pool.ref_counts):
+        assert ref_count == holders.get(block_id, 0), f"block {block_id} ref count"
+        if ref_count > 1:
+            assert pool.block_hashes[block_id] is not None, "a block is shared without being a cached block"
+    assert sum(pool.ref_counts) == sum(len(r.block_ids) for r in requests)
+    in_use = sum(1 for ref_count in pool.ref_counts if ref_count > 0)
     assert kv.num_free_blocks + in_use == pool.num_blocks
-    assert set(pool.free_block_ids()) == {b.block_id for b in pool.blocks if b.ref_count == 0}
+    assert set(pool.free_block_ids()) == {b for b, ref_count in enumerate(pool.ref_counts) if ref_count == 0}
     for block_hash, block_id in pool.cached_block_ids().items():
-        assert pool.blocks[block_id].block_hash == block_hash
+        assert pool.block_hashes[block_id] == block_hash
 
 
 class KVCacheMachine(RuleBasedStateMachine):
@@ -105,7 +105,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         tokens = request.all_token_ids
         for pos in range(start, start + n):
             block_id = request.block_ids[pos // BS]
-            assert self.kv.pool.blocks[block_id].ref_count == 1, "writing into a shared block"
+            assert self.kv.pool.ref_counts[block_id] == 1, "writing into a shared block"
             self.content.setdefault(block_id, {})[pos % BS] = tokens[pos]
         request.num_computed_tokens += n
         self.kv.cache_full_blocks(request)
@@ -209,16 +209,16 @@ def test_freed_cached_blocks_are_reused_last_and_evicted_lru():
     # The next allocation takes a's unhashed partial block, then evicts the chain's tail.
     d = make_request("d", [60] * (BS + 1))
     assert kv.allocate_slots(d, d.num_tokens) and d.block_ids == a_blocks[:0:-1]
-    assert kv.pool.blocks[a_blocks[1]].block_hash is None and kv.pool.num_cached_blocks == 1
+    assert kv.pool.block_hashes[a_blocks[1]] is None and kv.pool.num_cached_blocks == 1
     again = make_request("a2", list(range(2 * BS)) + [8])
     hits, cached = kv.get_computed_blocks(again)
     assert hits == a_blocks[:1] and cached == BS  # the head survived
     assert kv.allocate_slots(again, again.num_tokens - cached, hits) is False  # 0 free besides the hit
-    assert kv.pool.blocks[a_blocks[0]].ref_count == 0
+    assert kv.pool.ref_counts[a_blocks[0]] == 0
     check_accounting(kv, [b, d])
     kv.free(d)
     assert kv.allocate_slots(again, again.num_tokens - cached, hits)
-    assert again.block_ids[0] == a_blocks[0] and kv.pool.blocks[a_blocks[0]].ref_count == 1
+    assert again.block_ids[0] == a_blocks[0] and kv.pool.ref_counts[a_blocks[0]] == 1
     check_accounting(kv, [b, again])
 
 
@@ -233,9 +233,9 @@ def test_allocate_is_all_or_nothing_and_counts_free_hits():
     assert kv.allocate_slots(b, b.num_tokens - cached, hits)
     c = make_request("c", list(range(BS)) + [3] * (2 * BS))
     hits, cached = kv.get_computed_blocks(c)
-    before = [blk.ref_count for blk in kv.pool.blocks]
+    before = list(kv.pool.ref_counts)
     assert not kv.allocate_slots(c, c.num_tokens - cached, hits)
-    assert [blk.ref_count for blk in kv.pool.blocks] == before and c.block_ids == []
+    assert kv.pool.ref_counts == before and c.block_ids == []
 
 
 def test_reset_prefix_cache_forgets_hashes():
