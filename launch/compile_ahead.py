@@ -85,7 +85,9 @@ class _HeldPool(Executor):
     """A thread pool that holds what is submitted while `holding` and starts it all on `release`.
     Why: while launches are being queued (Python on the main thread, ~100 forwards) the compile
     threads' own Python work (Triton's code generation holds the GIL) would slow the forwards
-    about 3x (`graphrunner bench capture --cold`, H100); they start right after instead."""
+    about 2-3x; they start right after instead. Measured again against starting them at once (H100,
+    empty caches): the queue pass took 4.1 s instead of 1.9 s, and the whole start-up 8.46 s
+    instead of 7.76 s (Llama-3.2-1B shape; docs/PERFORMANCE.md, "GPU: LLM to ready")."""
 
     def __init__(self, threads: int) -> None:
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="triton-compile")
