@@ -167,9 +167,15 @@ class SamplingParams(BaseModel):
 
     def token_ids_outside(self, vocab_size: int) -> dict[str, list[int]]:
         """The token ids this request names (logit_bias keys, allowed_token_ids) that lie outside the
-        vocabulary [0, vocab_size), by field; empty when all are inside. The engine refuses a request
-        with any, and the server names the field in its 400."""
+        vocabulary [0, vocab_size), by field; empty when all are inside (`vocabulary_error`)."""
         fields = {"logit_bias": list(self.logit_bias or ()), "allowed_token_ids": self.allowed_token_ids or []}
         outside = {name: [t for t in ids if not 0 <= t < vocab_size] for name, ids in fields.items()}
         return {name: ids for name, ids in outside.items() if ids}
 
+    def vocabulary_error(self, vocab_size: int) -> tuple[str, str] | None:
+        """(field, message) for the first field of `token_ids_outside`, or None when there is none:
+        the one refusal the engine raises and the server's 400 names."""
+        name, ids = next(iter(self.token_ids_outside(vocab_size).items()), (None, None))
+        if name is None:
+            return None
+        return name, f"{name} has token id(s) {ids[:5]} outside the vocabulary [0, {vocab_size})"

@@ -179,9 +179,9 @@ class LLMEngine:
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(f"request {request_id!r}: prompt of {len(token_ids)} tokens leaves no room "
                                       f"to generate within max_model_len={self.max_model_len}")
-        for name, outside in params.token_ids_outside(vocab).items():
-            raise InvalidRequestError(f"request {request_id!r}: {name} has token id(s) {outside[:5]} outside the "
-                                      f"vocabulary [0, {vocab})")
+        refused = params.vocabulary_error(vocab)
+        if refused is not None:
+            raise InvalidRequestError(f"request {request_id!r}: {refused[1]}")
         if params.bad_words and self.tokenizer is None:
             raise InvalidRequestError(f"request {request_id!r}: bad_words need a tokenizer, and {self.model_path} "
                                       "has none")

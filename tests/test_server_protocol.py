@@ -52,6 +52,8 @@ def test_logit_controls_map_to_sampling_params():
     assert params.logit_bias == {5: 2.0, 7: -100.0}   # clamped to [-100, 100], as vLLM does
     assert params.allowed_token_ids == [5, 7] and params.bad_words == ["no"]
     assert params.token_ids_outside(6) == {"logit_bias": [7], "allowed_token_ids": [7]}
+    assert params.vocabulary_error(6) == ("logit_bias", "logit_bias has token id(s) [7] outside the vocabulary [0, 6)")
+    assert params.vocabulary_error(8) is None
     with pytest.raises(APIError) as caught:
         CompletionRequest(prompt="x", logit_bias={"five": 1.0}).sampling_params(4, None, False)
     assert caught.value.param == "logit_bias" and "'five'" in caught.value.message

@@ -68,9 +68,9 @@ class OpenAIServing:
         is refused before its stream starts, like any other bad request (from the engine the
         refusal could only be an error event inside a 200 stream). Parsing a constraint takes well
         under a millisecond (runner/structured_output/grammar.py); compiling it stays in the engine."""
-        vocab = self.engine.vocab_size
-        for name, outside in params.token_ids_outside(vocab).items():
-            raise APIError(f"{name} has token id(s) {outside[:5]} outside the vocabulary [0, {vocab})", param=name)
+        refused = params.vocabulary_error(self.engine.vocab_size)
+        if refused is not None:
+            raise APIError(refused[1], param=refused[0])
         if params.structured_outputs is not None:
             try:
                 from runner.structured_output.grammar import InvalidGrammarError, parse_grammar
