@@ -97,17 +97,15 @@ def test_every_row_count_launches_the_same_variants(monkeypatch):
     row count: the scratch's halves stay 16-byte aligned, pass 2 takes a fixed width and does not
     specialise the chunk count, and every chunk is whole BLOCKs. So the one row `queue_variants`
     launches compiles what every row count up to a serving batch will launch."""
-    from launch.specialisation import CONSTEXPR, PLAIN, SPECIALISED, specialisation
+    from launch.specialisation import CONSTEXPR, PLAIN, SPECIALISED, param_kinds, specialisation
     keys = {}
 
     class Recording:
-        def __init__(self, fn, name):   # the kinds param_kinds reads off a compiled JITFunction
-            params = inspect.signature(fn.fn).parameters.values()
-            plain = getattr(fn, "kwargs", {}).get("do_not_specialize") or [
-                p.name for p in getattr(fn, "params", ()) if p.do_not_specialize]
-            self.name, self.kinds = name, tuple(
-                CONSTEXPR if "constexpr" in str(p.annotation) else PLAIN if p.name in plain else SPECIALISED
-                for p in params)
+        def __init__(self, fn, name):   # param_kinds reads a compiled JITFunction; the interpreter's, here
+            self.name, self.kinds = name, param_kinds(fn) or tuple(
+                CONSTEXPR if "constexpr" in str(p.annotation)
+                else PLAIN if p.name in (fn.kwargs.get("do_not_specialize") or ()) else SPECIALISED
+                for p in inspect.signature(fn.fn).parameters.values())
 
         def __call__(self, grid, *args, **options):
             keys.setdefault(self.name, set()).add(tuple(specialisation(args, self.kinds)))
