@@ -98,9 +98,13 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotate_into(src, dst, pos_ptr, token, cos_sin_ptr, cos_sin_stride, HALF: tl.constexpr, BLOCK: tl.constexpr):
+def _rotate_into(src, dst, pos_ptr, token, cos_sin_ptr, cos_sin_stride, norm_w_ptr, eps,
+                 HALF: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr):
     """dst = neox-rotate(src) for one head at the token's position; fp32 math, rounded to src's
-    dtype (as the torch reference), then stored in dst's dtype."""
+    dtype (as the torch reference), then stored in dst's dtype. With NORM the head is first
+    RMS-normalised over its 2 * HALF values with `norm_w_ptr`'s weight (Qwen3's q_norm /
+    k_norm) at `_add_rms_norm_kernel`'s rounding points: the sum of squares in fp32, normalise in
+    fp32, round, multiply by the weight, round."""
     offs = tl.arange(0, BLOCK)
     mask = offs < HALF
     pos = tl.load(pos_ptr + token)
@@ -109,6 +113,12 @@ def _rotate_into(src, dst, pos_ptr, token, cos_sin_ptr, cos_sin_stride, HALF: tl
     x1 = tl.load(src + offs, mask=mask, other=0.0)
     x2 = tl.load(src + HALF + offs, mask=mask, other=0.0)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
+    if NORM:
+        inv = tl.rsqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / (2 * HALF) + eps)
+        w1 = tl.load(norm_w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(norm_w_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        a = ((a * inv).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
+        b = ((b * inv).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
     tl.store(dst + offs, (a * cos - b * sin).to(x1.dtype).to(dst.dtype.element_ty), mask=mask)
     tl.store(dst + HALF + offs, (b * cos + a * sin).to(x1.dtype).to(dst.dtype.element_ty), mask=mask)
 
@@ -122,11 +132,11 @@ def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cache_ptr, q_strid
     head = tl.program_id(1)
     if head < num_q_heads:
         _rotate_into(q_ptr + token * q_stride_t + head * q_stride_h, q_out_ptr + (token * num_q_heads + head) * 2 * HALF,
-                     pos_ptr, token, cache_ptr, cache_stride, HALF, BLOCK)
+                     pos_ptr, token, cache_ptr, cache_stride, q_ptr, 0.0, HALF, BLOCK, False)
     else:
         k_head = head - num_q_heads
         _rotate_into(k_ptr + token * k_stride_t + k_head * k_stride_h, k_out_ptr + (token * num_k_heads + k_head) * 2 * HALF,
-                     pos_ptr, token, cache_ptr, cache_stride, HALF, BLOCK)
+                     pos_ptr, token, cache_ptr, cache_stride, k_ptr, 0.0, HALF, BLOCK, False)
 
 
 def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor):
@@ -146,19 +156,22 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cach
 
 @triton.jit
 def _rope_and_cache_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, pos_ptr, cos_sin_ptr, cache_ptr, slot_ptr,
+                           q_norm_ptr, k_norm_ptr, norm_eps,
                            q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                            num_q_heads, num_k_heads, cos_sin_stride,
                            stride_c_kv, stride_c_b, stride_c_s, stride_c_h,
-                           HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr):
+                           HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr, QK_NORM: tl.constexpr,
+                           PDL: tl.constexpr):
     """Program (token, head) over num_q + 2 * num_k heads: rotates a q head into q_out, or rotates
-    a k head / copies a v head into the paged cache at the token's slot (-1: padded row, skip)."""
+    a k head / copies a v head into the paged cache at the token's slot (-1: padded row, skip).
+    QK_NORM: q and k heads are RMS-normalised (q_norm_ptr / k_norm_ptr weights) before RoPE."""
     wait_for_producers(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if head < num_q_heads:
         _rotate_into(q_ptr + token * q_stride_t + head * q_stride_h,
                      q_out_ptr + (token * num_q_heads + head) * 2 * HALF,
-                     pos_ptr, token, cos_sin_ptr, cos_sin_stride, HALF, BLOCK)
+                     pos_ptr, token, cos_sin_ptr, cos_sin_stride, q_norm_ptr, norm_eps, HALF, BLOCK, QK_NORM)
     else:
         slot = tl.load(slot_ptr + token)
         if slot >= 0:
@@ -166,7 +179,8 @@ def _rope_and_cache_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, pos_ptr, cos_sin_ptr,
             slot_ptr_k = cache_ptr + (slot // BLOCK_SIZE) * stride_c_b + (slot % BLOCK_SIZE) * stride_c_s
             if kv_head < num_k_heads:
                 _rotate_into(k_ptr + token * k_stride_t + kv_head * k_stride_h, slot_ptr_k + kv_head * stride_c_h,
-                             pos_ptr, token, cos_sin_ptr, cos_sin_stride, HALF, BLOCK)
+                             pos_ptr, token, cos_sin_ptr, cos_sin_stride, k_norm_ptr, norm_eps, HALF, BLOCK,
+                             QK_NORM)
             else:
                 kv_head -= num_k_heads
                 offs = tl.arange(0, BLOCK)
@@ -180,11 +194,17 @@ def _rope_and_cache_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, pos_ptr, cos_sin_ptr,
 
 
 def rope_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                   cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
     """Neox RoPE on q [T, Hq, D] (returned as a new contiguous tensor) and on k [T, Hk, D], with the
     rotated k and v [T, Hk, D] written straight into kv_cache [2, blocks, block_size, Hk, D] at
     slot_mapping [T] (-1 skips). One launch instead of RoPE + KV write: the small-batch decode
-    step is bound by launches, and the rotated k never round-trips through memory."""
+    step is bound by launches, and the rotated k never round-trips through memory.
+
+    qk_norm = (q weight [D], k weight [D], eps): each q and k head is RMS-normalised first, at the
+    rounding points of `add_rms_norm` on that head (Qwen3's q_norm / k_norm), so the norms cost no launch
+    and q / k no contiguous copy (`add_rms_norm` takes rows, which q and k, strided views of the
+    projection, are not)."""
     tokens, num_q, dim = q.shape
     num_k = k.shape[1]
     if v.shape != k.shape or kv_cache.shape[3:] != k.shape[1:] or slot_mapping.shape[0] != tokens:
@@ -192,13 +212,17 @@ def rope_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                          f"v {tuple(v.shape)}, kv_cache {tuple(kv_cache.shape)}, slots {tuple(slot_mapping.shape)}")
     if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or kv_cache.stride(4) != 1:
         raise ValueError("rope_and_cache needs a contiguous head dim in q, k, v and kv_cache")
+    if qk_norm is not None and (qk_norm[0].shape != (dim,) or qk_norm[1].shape != (dim,)):
+        raise ValueError(f"rope_and_cache: q/k norm weights {tuple(qk_norm[0].shape)} / {tuple(qk_norm[1].shape)} "
+                         f"do not match head_dim {dim}")
     q_out = torch.empty((tokens, num_q, dim), dtype=q.dtype, device=q.device)
     half = dim // 2
+    q_norm, k_norm, eps = (q, q, 0.0) if qk_norm is None else qk_norm
     launch_kernel(_rope_and_cache_kernel, (tokens, num_q + 2 * num_k),
-        q, k, v, q_out, positions, cos_sin_cache, kv_cache, slot_mapping,
+        q, k, v, q_out, positions, cos_sin_cache, kv_cache, slot_mapping, q_norm, k_norm, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         num_q, num_k, cos_sin_cache.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        HALF=half, BLOCK=triton.next_power_of_2(half), BLOCK_SIZE=kv_cache.shape[2], num_warps=1,
-        **pdl_options(q.device))
+        HALF=half, BLOCK=triton.next_power_of_2(half), BLOCK_SIZE=kv_cache.shape[2], QK_NORM=qk_norm is not None,
+        num_warps=1, **pdl_options(q.device))
     return q_out

@@ -49,8 +49,25 @@ class SelfAttention(nn.Module):
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
+            rotated = self._norm_rotate_and_cache(positions, q, k, v)
+            if rotated is not None:
+                return self.attn.attend_rotated(rotated)
             q, k = self.q_norm(q), self.k_norm(k)
         return self.attn(positions, q, k, v)
+
+    def _norm_rotate_and_cache(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                               v: torch.Tensor) -> torch.Tensor | None:
+        """q rotated, with k and v in the KV cache, the q/k norms applied by the same kernel
+        (`fused_kernels.rope_and_cache` with qk_norm): where the attention layer would rotate and
+        write the cache itself and the norms would take their kernel. Two norm launches and two
+        contiguous copies of q and k fewer per layer. Else None."""
+        if not self.q_norm.kernel_rounds_like_reference(q) or self.q_norm.eps != self.k_norm.eps:
+            return None
+        cache = self.attn.cache_written_here()
+        if cache is None:
+            return None
+        weights = (self.q_norm.kernel_weight(), self.k_norm.kernel_weight(), self.q_norm.eps)
+        return self.attn.rotary.rotate_and_cache(positions, q, k, v, *cache, qk_norm=weights)
 
     def cache_written_here(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(this layer's kv_cache, slot_mapping) when the step's one row may take

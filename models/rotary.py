@@ -57,13 +57,15 @@ class RotaryEmbedding(nn.Module):
         return kernels.rope(positions, q, k, self.cos_sin_cache)
 
     def rotate_and_cache(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor | None:
+                         kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                         qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor | None:
         """Rotated q, with rotated k and v written into kv_cache at slot_mapping, in one fused
-        kernel; None where that kernel does not apply (no CUDA, fused ops off, partial rotary)."""
+        kernel (q and k RMS-normalised first with qk_norm = (q weight, k weight, eps)); None where
+        that kernel does not apply (no CUDA, fused ops off, partial rotary)."""
         kernels = fused(q)
         if kernels is None or self.rotary_dim != q.shape[-1]:
             return None
-        return kernels.rope_and_cache(positions, q, k, v, self.cos_sin_cache, kv_cache, slot_mapping)
+        return kernels.rope_and_cache(positions, q, k, v, self.cos_sin_cache, kv_cache, slot_mapping, qk_norm)
 
     def begin_step(self, positions: torch.Tensor) -> None:
         """Marks this step's positions (the model calls it before its layers and `end_step` after):

@@ -1,4 +1,4 @@
-"""Phi-3, Gemma 2 and Gemma 3 text on a GPU in every CUDA graph mode, with the debug address check
+"""Phi-3, Gemma 2, Gemma 3 and Qwen3 text on a GPU in every CUDA graph mode, with the debug address check
 on: HF's greedy tokens (float32) for prompts past the sliding window, a batch of several, and one
 step where a decode row and two prefills share the batch. The window and soft-cap are per-layer
 constants of the Triton attention launch, so FULL graphs and PIECEWISE segments hold them."""
@@ -25,6 +25,7 @@ FAMILIES = {
     "phi3_longrope": ("phi3", {"rope_scaling": "longrope"}, {"max_model_len": 64}),
     "gemma2": ("gemma2", {}, {}),
     "gemma3": ("gemma3", {}, {}),
+    "qwen3": ("qwen3", {}, {}),   # q/k norms inside the RoPE + KV-write kernel
 }
 MODES = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 

@@ -99,3 +99,57 @@ def test_rope_and_cache_rotates_q_and_writes_rotated_k_and_v_at_slots(dtype, hea
     _close(q_rot, q_ref, dtype)
     _close(cache, expected, dtype)
     assert (cache.float() == 7.0).sum() == (expected.float() == 7.0).sum()  # padded rows left the cache alone
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (9, 3, 64), (4, 4, 24), (16, 8, 128)])
+def test_rope_and_cache_with_qk_norm_equals_the_norm_kernel_then_rope(dtype, heads, kv_heads, head_dim):
+    """Qwen3's q/k norms inside the RoPE + KV-write launch: what `add_rms_norm` on each head followed
+    by `rope_and_cache` gives (the same rounding points; the float32 sum of squares may be ordered
+    otherwise, as the two kernels lay the head out differently), and close to the torch reference
+    (RMSNorm.reference, then RotaryEmbedding.reference)."""
+    from transformers import LlamaConfig
+    from attention.backends.torch_sdpa import write_kv
+    config = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         head_dim=head_dim, max_position_embeddings=64)
+    rotary = rotary_module.RotaryEmbedding(config, 64).to(DEVICE)
+    g = torch.Generator().manual_seed(head_dim + 3 * heads)
+    tokens, block_size, num_blocks, eps = 6, 4, 5, 1e-6
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g) * 3).to(DEVICE, dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (t.reshape(tokens, -1, head_dim) for t in (q, k, v))   # strided views, as in the model
+    q_norm, k_norm = layers.RMSNorm(head_dim, eps).to(DEVICE, dtype), layers.RMSNorm(head_dim, eps).to(DEVICE, dtype)
+    q_norm.weight.data = (torch.rand(head_dim, generator=g) + 0.5).to(DEVICE, dtype)
+    k_norm.weight.data = (torch.rand(head_dim, generator=g) + 0.5).to(DEVICE, dtype)
+    positions = torch.tensor([0, 5, 17, 3, 63, 0]).to(DEVICE)
+    slots = torch.tensor([2, 19, 7, -1, 12, -1]).to(DEVICE)
+    cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), 7.0).to(DEVICE, dtype)
+    two_step_cache = cache.clone()
+
+    got_q = fused_kernels.rope_and_cache(positions, q, k, v, rotary.cos_sin_cache, cache, slots,
+                                         (q_norm.weight, k_norm.weight, eps))
+
+    normed_q = fused_kernels.add_rms_norm(q.reshape(-1, head_dim), q_norm.weight, eps).view(q.shape)
+    normed_k = fused_kernels.add_rms_norm(k.reshape(-1, head_dim), k_norm.weight, eps).view(k.shape)
+    two_step_q = fused_kernels.rope_and_cache(positions, normed_q, normed_k, v, rotary.cos_sin_cache,
+                                              two_step_cache, slots)
+    _close(got_q, two_step_q, dtype)
+    _close(cache, two_step_cache, dtype)
+
+    with torch.no_grad():
+        ref_q, ref_k = rotary.reference(positions, q_norm.reference(q), k_norm.reference(k))
+    expected = torch.full_like(cache, 7.0)
+    write_kv(ref_k, v, expected, slots)
+    _close(got_q, ref_q, dtype)
+    _close(cache, expected, dtype)
+
+
+def test_rope_and_cache_refuses_norm_weights_of_another_width():
+    q = torch.zeros(1, 2, 16, device=DEVICE)
+    k = v = torch.zeros(1, 1, 16, device=DEVICE)
+    cache = torch.zeros(2, 1, 4, 1, 16, device=DEVICE)
+    rotary_table = torch.zeros(8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="norm weights"):
+        fused_kernels.rope_and_cache(torch.zeros(1, dtype=torch.long, device=DEVICE), q, k, v, rotary_table, cache,
+                                     torch.zeros(1, dtype=torch.long, device=DEVICE),
+                                     (torch.ones(8, device=DEVICE), torch.ones(16, device=DEVICE), 1e-6))

@@ -402,6 +402,53 @@ def test_decoder_layer_fuses_rope_and_cache_into_qkv_only_where_it_applies(tmp_p
             assert torch.equal(got_cache.flatten(1, 2)[:, :9], kv_cache.flatten(1, 2)[:, :9])   # other slots
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through the interpreter; the GPU runs "
+                    "tests/test_engine_families_cuda.py's qwen3 against HF")
+@pytest.mark.parametrize("case", ["fused", "backend_writes_kv", "profile_run"])
+def test_qk_norms_run_inside_rope_and_cache_only_where_the_layer_writes_the_cache(tmp_path_factory, monkeypatch,
+                                                                                 case):
+    """SelfAttention.attend of a Qwen3 layer with the fused kernels on (the interpreter standing in for
+    CUDA): where the layer writes the KV cache, `rope_and_cache` normalises q and k itself and the norm
+    modules never run; without a cache (the profile run) or with a backend that writes k/v, the norms
+    run first. Either way the output and the cache equal the reference path's (fp32)."""
+    from attention.forward_context import ForwardContext, set_forward_context
+    from models import fused_kernels, rotary as rotary_module
+
+    model = _tiny_model(tmp_path_factory, "qwen3")
+    attn = model.model.layers["1"].self_attn
+    g = torch.Generator().manual_seed(11)
+    qkv = torch.randn(1, (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim, generator=g) * 3
+    positions = torch.tensor([6])
+    cache = torch.randn(2, 4, 4, attn.num_kv_heads, attn.head_dim, generator=g)
+    metadata = types.SimpleNamespace(slot_mapping=torch.tensor([9]),
+                                     context_slots=torch.cat([torch.arange(6), torch.tensor([9])]))
+
+    def run(kv_cache, backend_flag):
+        backend = _CacheBackend(backend_flag)
+        caches = None if kv_cache is None else [kv_cache] * model.num_local_layers
+        with set_forward_context(ForwardContext(metadata, caches, backend)), torch.no_grad():
+            return attn.attend(positions, qkv), backend.calls
+
+    flag, kv_cache = case != "backend_writes_kv", None if case == "profile_run" else cache
+    ref_cache = None if kv_cache is None else kv_cache.clone()
+    expected, _ = run(ref_cache, flag)   # a CPU tensor: no fused kernels, the reference path
+
+    monkeypatch.setattr(rotary_module, "fused", lambda x: fused_kernels)
+    norm_calls = []
+    for name in ("q_norm", "k_norm"):
+        norm = getattr(attn, name)
+        monkeypatch.setattr(norm, "forward", lambda x, _f=norm.forward, _n=name: norm_calls.append(_n) or _f(x))
+    got_cache = None if kv_cache is None else kv_cache.clone()
+    got, attn_calls = run(got_cache, flag)
+
+    fused = case == "fused"
+    assert norm_calls == ([] if fused else ["q_norm", "k_norm"])
+    assert attn_calls == [fused]   # the attention op got key None exactly when the layer cached k/v
+    assert (got - expected).abs().max().item() < 1e-5
+    if kv_cache is not None:
+        assert (got_cache - ref_cache).abs().max().item() < 1e-5
+
+
 def test_cpu_never_takes_the_small_batch_path():
     assert layers.small_batch(torch.zeros(1, 8)) is None
 
