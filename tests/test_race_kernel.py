@@ -82,3 +82,51 @@ def test_race_kernel_on_the_gpu(kernel_switches):
     expected = torch.zeros(8, dtype=torch.float64)
     expected[:4] = torch.where(keep, probs, 0.0) / probs[keep].sum()
     assert (freq - expected).abs().max() < 0.01
+
+
+def _check_splits_draw_the_same_tokens(device: str, monkeypatch, rows: int, vocab: int):
+    """A row split over several programs (each racing its share of the blocks, the last to finish
+    taking the best) draws the token one program walking the whole row draws, with and without a
+    threshold, candidates lists and the penalty record; the tickets are back at zero after each."""
+    from runner.sampling import race_kernel
+    gen = torch.Generator().manual_seed(rows + vocab)
+    x = (torch.randn(rows, vocab, generator=gen) * 2).to(device)
+    if rows > 1:
+        x[1, :] = float("-inf")   # a row that keeps nothing draws token 0
+    temp = torch.full((rows, 1), 0.9, device=device)
+    threshold = torch.full((rows, 1), 1.5, device=device)
+    counts = torch.zeros(rows, vocab, dtype=torch.int32, device=device)
+    seen = torch.zeros(rows, vocab, dtype=torch.uint8, device=device)
+    slots = torch.arange(rows, device=device)
+
+    def draw(programs, thr, seeds):
+        monkeypatch.setattr(race_kernel, "_target_programs", lambda device: programs)
+        counts.zero_()
+        seen.zero_()
+        tokens = race_kernel.race(x, temp, thr, seeds, record=(slots, counts, seen))
+        return tokens.tolist(), counts.clone(), seen.clone()
+
+    for thr in (None, threshold):
+        for seeds in (12345, torch.arange(rows, device=device) * 7 + 3):
+            one = draw(1, thr, seeds)
+            many = draw(rows * 64, thr, seeds)
+            assert race_kernel._splits(rows, vocab, torch.device(device))[0] > 1
+            assert one[0] == many[0]
+            assert torch.equal(one[1], many[1]) and torch.equal(one[2], many[2])
+            for held in race_kernel._scratch.values():
+                assert int(held[2].abs().sum()) == 0   # every ticket reset by its row's last split
+    if rows > 1:
+        assert one[0][1] == 0
+
+
+@pytest.mark.skipif(not INTERPRET, reason="Triton on a CPU needs TRITON_INTERPRET=1")
+def test_race_kernel_split_rows_draw_the_same_tokens_in_the_interpreter(monkeypatch):
+    _check_splits_draw_the_same_tokens("cpu", monkeypatch, rows=3, vocab=3 * 1024 + 17)
+
+
+@pytest.mark.cuda
+def test_race_kernel_split_rows_draw_the_same_tokens_on_the_gpu(monkeypatch, kernel_switches):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    kernel_switches(triton_sampling=True)
+    _check_splits_draw_the_same_tokens("cuda", monkeypatch, rows=37, vocab=151936)

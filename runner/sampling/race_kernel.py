@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from launch.fast_launch import FastLaunch
+from launch.fast_launch import FastLaunch, num_sms
 
 BLOCK = 1024
 SEED_BOUND = 2 ** 31 - 1
@@ -49,12 +49,19 @@ def _uniform_block(seed, off, QUARTER: tl.constexpr):
     return tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), [QUARTER, 4])
 
 
-@triton.jit(do_not_specialize=["base_seed"])
+@triton.jit(do_not_specialize=["base_seed", "blocks_per_split"])
 def _race_kernel(x_ptr, stride_x, temp_ptr, threshold_ptr, seed_ptr, base_seed, out_ptr, list_ptr, ids_ptr,
                  stride_list, count_ptr, bound_ptr, slots_ptr, counts_ptr, stride_counts, seen_ptr, V, CAP,
+                 blocks_per_split, part_score_ptr, part_idx_ptr, ticket_ptr,
                  BLOCK: tl.constexpr, LISTS: tl.constexpr, LIST_BLOCK: tl.constexpr, SEEDS: tl.constexpr,
-                 RECORD: tl.constexpr):
+                 RECORD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """Program (row, split): the race over the split's `blocks_per_split` blocks of the row. With
+    one split per row it stores the token; with several each stores its best (score, first index)
+    and the row's last split to finish (an arrival ticket per row) takes the best of them: the same
+    token as one program walking the whole row (highest score, the lowest index among equal ones)."""
     row = tl.program_id(0)
+    split = tl.program_id(1)
+    splits = tl.num_programs(1)
     base = x_ptr + row.to(tl.int64) * stride_x
     temp = tl.load(temp_ptr + row)
     threshold = tl.load(threshold_ptr + row)
@@ -66,22 +73,24 @@ def _race_kernel(x_ptr, stride_x, temp_ptr, threshold_ptr, seed_ptr, base_seed, 
     tile = 4 * tl.arange(0, QUARTER)[:, None] + tl.arange(0, 4)[None, :]   # [QUARTER, 4]: the block's tokens
     best = tl.full([QUARTER, 4], float("-inf"), dtype=tl.float32)
     best_idx = tl.full([QUARTER, 4], 2147483647, dtype=tl.int32)
-    n = V   # tokens of the row to race over (none where its list serves)
+    lo = split * blocks_per_split * BLOCK
+    hi = tl.minimum(lo + blocks_per_split * BLOCK, V)   # tokens of the row to race over (none where its list serves)
     if LISTS:
         count = tl.load(count_ptr + row)
         if (count <= CAP) & (threshold >= tl.load(bound_ptr + row)):   # every kept token is listed
-            n = 0
-            at = tl.arange(0, LIST_BLOCK)
-            listed = row.to(tl.int64) * stride_list + at
-            x = tl.load(list_ptr + listed, mask=at < count, other=float("-inf"))
-            tokens = tl.load(ids_ptr + listed, mask=at < count, other=2147483647)
-            kept = (at < count) & (x >= threshold)
-            score = tl.where(kept, x / temp - tl.log(-tl.log(_uniform(seed, tokens))), float("-inf"))
-            top = tl.max(score, axis=0)
-            first = tile == 0
-            best = tl.where(first, top, best)
-            best_idx = tl.where(first, tl.min(tl.where(score == top, tokens, 2147483647), axis=0), best_idx)
-    for off in range(0, n, BLOCK):
+            hi = lo
+            if split == 0:
+                at = tl.arange(0, LIST_BLOCK)
+                listed = row.to(tl.int64) * stride_list + at
+                x = tl.load(list_ptr + listed, mask=at < count, other=float("-inf"))
+                tokens = tl.load(ids_ptr + listed, mask=at < count, other=2147483647)
+                kept = (at < count) & (x >= threshold)
+                score = tl.where(kept, x / temp - tl.log(-tl.log(_uniform(seed, tokens))), float("-inf"))
+                top = tl.max(score, axis=0)
+                first = tile == 0
+                best = tl.where(first, top, best)
+                best_idx = tl.where(first, tl.min(tl.where(score == top, tokens, 2147483647), axis=0), best_idx)
+    for off in range(lo, hi, BLOCK):
         idx = off + tile
         ok = idx < V
         x = tl.load(base + idx, mask=ok, other=float("-inf")).to(tl.float32)
@@ -98,6 +107,30 @@ def _race_kernel(x_ptr, stride_x, temp_ptr, threshold_ptr, seed_ptr, base_seed, 
     best_idx = tl.reshape(best_idx, [BLOCK])
     top = tl.max(best, axis=0)
     first = tl.min(tl.where(best == top, best_idx, 2147483647), axis=0)
+    if splits > 1:
+        # Every split stores its best; the ticket's acq_rel atomic publishes them to, and acquires
+        # the others' for, the last arrival, which reads them past L1 (.cg) and resets the ticket
+        # for the next launch (the attention kernel's in-kernel merge does the same).
+        part = row.to(tl.int64) * splits
+        tl.store(part_score_ptr + part + split, top)
+        tl.store(part_idx_ptr + part + split, first)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(ticket_ptr + row, 1, sem="acq_rel", scope="gpu")
+        if arrived == splits - 1:
+            tl.atomic_xchg(ticket_ptr + row, 0, sem="relaxed", scope="gpu")
+            at = tl.arange(0, SPLITS_PAD)
+            scores = tl.load(part_score_ptr + part + at, mask=at < splits, other=float("-inf"), cache_modifier=".cg")
+            firsts = tl.load(part_idx_ptr + part + at, mask=at < splits, other=2147483647, cache_modifier=".cg")
+            top = tl.max(scores, axis=0)
+            first = tl.min(tl.where(scores == top, firsts, 2147483647), axis=0)
+            _store_token(out_ptr, row, first, slots_ptr, counts_ptr, stride_counts, seen_ptr, RECORD)
+    else:
+        _store_token(out_ptr, row, first, slots_ptr, counts_ptr, stride_counts, seen_ptr, RECORD)
+
+
+@triton.jit
+def _store_token(out_ptr, row, first, slots_ptr, counts_ptr, stride_counts, seen_ptr, RECORD: tl.constexpr):
+    """The row's token (0 where no token was kept), and with RECORD the penalties' count of it."""
     token = tl.where(first == 2147483647, 0, first)
     tl.store(out_ptr + row, token.to(tl.int64))
     if RECORD:   # the penalties' count of the drawn token (SamplingStates.record's job, without its launches)
@@ -110,6 +143,43 @@ def _race_kernel(x_ptr, stride_x, temp_ptr, threshold_ptr, seed_ptr, base_seed, 
 
 
 _launch = FastLaunch(_race_kernel)   # launched every step: no JITFunction.run per call
+
+PROGRAMS_PER_SM = 8
+"""A row's blocks are split until the grid has about this many programs per SM (each of 8 warps):
+one program per row walked a 152K-token row in ~150 serial blocks, 196 us a step at 256 rows of
+Qwen3's vocabulary on an H100 (torch.profiler over `graphrunner bench throughput`'s recipe), a
+latency-bound loop that left most of the SM idle."""
+MAX_SPLITS = 256
+"""At most this many programs per row (the final merge reads a row's partials as one vector)."""
+_scratch: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _target_programs(device: torch.device) -> int:
+    """Programs a launch aims at: PROGRAMS_PER_SM per SM on a GPU; one per row in the interpreter."""
+    return PROGRAMS_PER_SM * num_sms(device) if device.type == "cuda" else 1
+
+
+def _splits(rows: int, vocab: int, device: torch.device) -> tuple[int, int]:
+    """(splits per row, blocks per split) for a launch of `rows` rows of `vocab` tokens."""
+    blocks = triton.cdiv(vocab, BLOCK)
+    want = triton.cdiv(_target_programs(device), rows)
+    per_split = triton.cdiv(blocks, max(1, min(want, blocks, MAX_SPLITS)))
+    return triton.cdiv(blocks, per_split), per_split
+
+
+def _split_scratch(device: torch.device, rows: int, splits: int):
+    """(scores float32, first indices int32, tickets int32 [rows], zero between launches) for
+    `rows` x `splits` partials, kept per device and stream and grown as needed (sampling is not
+    captured in a graph; launches on one stream run one after another)."""
+    key = (device, torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0)
+    held = _scratch.get(key)
+    if held is None or held[0].numel() < rows * splits or held[2].numel() < rows:   # (unused with one split)
+        size = max(rows * splits, 0 if held is None else held[0].numel())
+        tickets = max(rows, 0 if held is None else held[2].numel())
+        held = _scratch[key] = (torch.empty(size, dtype=torch.float32, device=device),
+                                torch.empty(size, dtype=torch.int32, device=device),
+                                torch.zeros(tickets, dtype=torch.int32, device=device))
+    return held
 
 
 def row_seeds(rows: int, generators: dict[int, torch.Generator], device: torch.device) -> torch.Tensor | int:
@@ -149,11 +219,13 @@ def race(logits: torch.Tensor, temperature: torch.Tensor, threshold: torch.Tenso
     slots, counts, seen = record if record is not None else (out, out, out)
     if record is not None:
         assert seen.stride(0) == counts.stride(0), "seen and output_counts share their row stride"
-    _launch((rows,), logits, logits.stride(0), temperature.reshape(-1).float(), threshold.reshape(-1).float(),
+    splits, per_split = _splits(rows, vocab, logits.device)
+    scores, firsts, tickets = _split_scratch(logits.device, rows, splits)   # typed alike for one split: one variant
+    _launch((rows, splits), logits, logits.stride(0), temperature.reshape(-1).float(), threshold.reshape(-1).float(),
             seeds if seed_tensor else out, 0 if seed_tensor else seeds, out, out if c is None else c.listed,
             out if c is None else c.listed_ids, 0 if c is None else c.listed.stride(0),
             out if c is None else c.count, out if c is None else c.bound, slots, counts,
-            0 if record is None else counts.stride(0), seen, vocab, cap, BLOCK, c is not None,
-            triton.next_power_of_2(cap), seed_tensor, record is not None, device_index=logits.device.index or 0,
-            num_warps=8)
+            0 if record is None else counts.stride(0), seen, vocab, cap, per_split, scores, firsts, tickets,
+            BLOCK, c is not None, triton.next_power_of_2(cap), seed_tensor, record is not None, MAX_SPLITS,
+            device_index=logits.device.index or 0, num_warps=8)
     return out
