@@ -249,7 +249,7 @@ class ModelRunner(GraphStartUp):
         """The profile run's sampler call: the LM head and the sampler on the first max_num_reqs
         rows of `hidden`, every row with `params` (`queue_sampling_variants` repeats it with
         launches only queued)."""
-        logits = self.model.compute_logits(hidden[: min(self.max_num_reqs, hidden.shape[0])])
+        logits = self.model.compute_logits(hidden[: min(self.max_num_reqs, hidden.shape[0])], float32=False)
         self.sampling.sampler(logits, SamplingMetadata.from_params([params] * logits.shape[0], {}, self.device))
 
     def profile_lengths(self) -> list[int]:
@@ -399,20 +399,23 @@ class ModelRunner(GraphStartUp):
             tokens = tensor_parallel_broadcast(torch.empty(len(rows), dtype=torch.int64, device=self.device))
         return PendingOutput(lambda: ModelRunnerOutput({}), None, tokens)
 
-    def _sampling_logits(self, reqs: list[ScheduledRequest], rows: list[int], out, common,
-                         float32: bool = True) -> torch.Tensor:
+    def _sampling_logits(self, reqs: list[ScheduledRequest], rows: list[int], out, common) -> torch.Tensor:
         """The logits of the sampling rows (`sample`, `sample_async`) from the forward's output (the
-        hidden rows, or a DecodeOutput); row indices, when needed, are uploaded without a host sync."""
+        hidden rows, or a DecodeOutput), in the model's dtype: the sampler makes a float32 copy only
+        where something writes into the logits or reads them at full precision (a bf16 value is
+        exact in float32), and its GPU kernels convert as they load. A float32 copy here cost a
+        conversion kernel and twice the bytes for the draw to read on every step (256 rows of
+        Qwen3's vocabulary: 61 us a step on an H100, torch.profiler over `graphrunner bench
+        throughput`). Row indices, when needed, are uploaded without a host sync."""
         if isinstance(out, DecodeOutput):
             if len(rows) == len(reqs):   # every row samples: the graph computed their logits
-                logits = out.logits[:len(reqs)]
-                return logits.float() if float32 else logits
+                return out.logits[:len(reqs)]
             out = out.hidden
         with decode_step_products(common.uniform_decode):   # the LM head as the step's other products
             if common.uniform_decode and len(rows) == len(reqs):  # row i's one token is hidden row i: no gather
-                return self.model.compute_logits(out[:len(reqs)], float32)
+                return self.model.compute_logits(out[:len(reqs)], float32=False)
             last_token = common.query_start_loc_cpu[torch.tensor(rows) + 1].long() - 1
-            return self.model.compute_logits(out[self.sampling.to_device(last_token)], float32)
+            return self.model.compute_logits(out[self.sampling.to_device(last_token)], float32=False)
 
     def _greedy_tokens(self, reqs: list[ScheduledRequest], rows: list[int], out, common) -> torch.Tensor:
         """Greedy tokens of the sampling rows: the graph's (DecodeOutput, every row samples), on a
@@ -427,7 +430,7 @@ class ModelRunner(GraphStartUp):
             tokens = screened_argmax(out[:len(reqs)], self.model.lm_head)
             if tokens is not None:
                 return tokens
-        return argmax_rows(self._sampling_logits(reqs, rows, out, common, float32=False))
+        return argmax_rows(self._sampling_logits(reqs, rows, out, common))
 
     def _token_bitmask(self, reqs: list[ScheduledRequest], rows: list[int]):
         """Structured output: the step's TokenBitmask, filled on the host while the launched forward
@@ -454,19 +457,17 @@ class ModelRunner(GraphStartUp):
         """The step's tokens, enqueued by the one sampling path (runner/sampling/stage.py): they stay
         on the device (`PendingOutput.sampled`) and go to pinned host memory by a non-blocking copy
         that a CUDA event marks. `hidden` is the forward's output (hidden rows or a DecodeOutput).
-        `logits`: the sampling rows' float32 logits when already computed (tensor parallel: every
-        TP rank computes them, so the step's collectives do not depend on the sampling path)."""
+        `logits`: the sampling rows' logits when already computed (tensor parallel: every TP rank
+        computes them, so the step's collectives do not depend on the sampling path)."""
         rows = [i for i, r in enumerate(reqs) if r.sample]
         prompt_logprobs = self._prompt_logprobs(reqs, hidden, common)
-        model_logits = None
         if logits is not None:
             sampling_logits, greedy = (lambda: logits), (lambda: argmax_rows(logits))
         else:
             sampling_logits = lambda: self._sampling_logits(reqs, rows, hidden, common)  # noqa: E731
-            model_logits = lambda: self._sampling_logits(reqs, rows, hidden, common, float32=False)  # noqa: E731
             greedy = lambda: self._greedy_tokens(reqs, rows, hidden, common)  # noqa: E731
         return self.sampling.launch([reqs[i] for i in rows], sampling_logits, greedy, prompt_logprobs,
-                                    self._token_bitmask(reqs, rows) if rows else None, model_logits)
+                                    self._token_bitmask(reqs, rows) if rows else None)
 
     def sample(self, reqs: list[ScheduledRequest], hidden, common, logits=None) -> ModelRunnerOutput:
         """Synchronous scheduling: `sample_async` and its wait."""

@@ -75,17 +75,14 @@ class SamplingStage:
 
     def launch(self, reqs: list[ScheduledRequest], logits: Callable[[], torch.Tensor],
                fast_greedy: Callable[[], torch.Tensor],
-               prompt_logprobs: Callable[[], dict] | None = None, token_bitmask=None,
-               model_logits: Callable[[], torch.Tensor] | None = None) -> PendingOutput:
+               prompt_logprobs: Callable[[], dict] | None = None, token_bitmask=None) -> PendingOutput:
         """Sample one token for each of `reqs` (row i for reqs[i]). `logits()` gives their logits
         [len(reqs), V]; `fast_greedy()` their argmax, for a plain greedy step. `prompt_logprobs`
         (from `PromptLogprobs.launch`, enqueued before this) builds the step's prompt logprobs
         once its copies are on the host. `token_bitmask` (structured output, a TokenBitmask of the
         constrained rows, or None) is applied to the logits first; a step with one never takes
         `fast_greedy` (the graph's argmax or the CPU screen would ignore the mask): a plain greedy
-        one takes the argmax under the mask, without the sampler's metadata, of `model_logits()`
-        when given (the same logits in the model's dtype: the argmax is the same, and a GPU step
-        saves the float32 copy) else of `logits()`."""
+        one takes the argmax of `logits()` under the mask, without the sampler's metadata."""
         if not reqs:
             if prompt_logprobs is None:
                 return PendingOutput.ready(ModelRunnerOutput({}))
@@ -96,7 +93,7 @@ class SamplingStage:
         if metadata is None and token_bitmask is None:
             sampled = fast_greedy()
         elif metadata is None:  # structured greedy: the argmax under the mask
-            sampled = token_bitmask.argmax((model_logits or logits)())
+            sampled = token_bitmask.argmax(logits())
         else:
             metadata.token_bitmask = token_bitmask
             result = self.sampler(logits(), metadata)
