@@ -405,8 +405,8 @@ class ModelRunner(GraphStartUp):
         where something writes into the logits or reads them at full precision (a bf16 value is
         exact in float32), and its GPU kernels convert as they load. A float32 copy here cost a
         conversion kernel and twice the bytes for the draw to read on every step (256 rows of
-        Qwen3's vocabulary: 61 us a step on an H100, torch.profiler over `graphrunner bench
-        throughput`). Row indices, when needed, are uploaded without a host sync."""
+        Qwen3's vocabulary: 61 us a step on an H100, `graphrunner bench throughput
+        --profile-kernels 30`). Row indices, when needed, are uploaded without a host sync."""
         if isinstance(out, DecodeOutput):
             if len(rows) == len(reqs):   # every row samples: the graph computed their logits
                 return out.logits[:len(reqs)]

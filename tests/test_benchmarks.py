@@ -44,6 +44,46 @@ def test_throughput_cpu_small_runs_and_reports_positive_rates(tmp_path, capsys):
     assert bound["weight_bytes"] == parameter_bytes("smollm2-135m", 4, num_hidden_layers=4)
 
 
+def test_kernel_totals_per_name_and_busy_union():
+    from runner.benchmarks.kernel_profile import kernel_totals, table
+    totals = kernel_totals([("attention_kernel", 0.0, 10.0), ("gemm", 5.0, 12.0), ("attention_kernel", 20.0, 30.0),
+                            ("merge_splits_kernel", 40.0, 41.0)])
+    assert totals.per_name == {"attention_kernel": [20.0, 2], "gemm": [7.0, 1], "merge_splits_kernel": [1.0, 1]}
+    assert totals.busy_us == 12.0 + 10.0 + 1.0 and totals.span_us == 41.0 and totals.total_us == 28.0
+    assert totals.matching_us("attention") == 20.0 and totals.matching_us("kernel", excluding=("merge",)) == 20.0
+    lines = table(totals, 2)
+    assert "4 launches" in lines[0] and len(lines) == 3 and "attention_kernel" in lines[1] and "gemm" in lines[2]
+    assert kernel_totals([]).busy_us == 0.0
+
+
+def test_profile_kernels_profiles_a_run_of_the_next_seed(monkeypatch):
+    """`bench throughput --profile-kernels`: one more run, of the next seed's workload (new prompts),
+    under torch.profiler; its kernels are totalled and attention is set against the run's KV bound."""
+    import contextlib
+    import types
+    import torch
+    args = bench_throughput.parse_args(["--profile-kernels", "2", "--num-seqs", "4", "--max-input-len", "200",
+                                        "--max-output-len", "200"])
+    generated, stats = [], iter([{"num_scheduled_steps": 10, "num_kv_tokens_attended": 1000},
+                                 {"num_scheduled_steps": 30, "num_kv_tokens_attended": 5000}])
+    llm = types.SimpleNamespace(generate=lambda prompts, params, use_tqdm: generated.append(prompts),
+                                engine=types.SimpleNamespace(scheduler=types.SimpleNamespace(stats=lambda: next(stats))))
+    cuda = torch.autograd.DeviceType.CUDA
+    events = [types.SimpleNamespace(name=n, device_type=cuda, time_range=types.SimpleNamespace(start=a, end=b))
+              for n, a, b in (("attention_kernel", 0.0, 4e5), ("gemm", 4e5, 5e5))]
+    monkeypatch.setattr(torch.profiler, "profile",
+                        lambda activities: contextlib.nullcontext(types.SimpleNamespace(events=lambda: events)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    result = bench_throughput.profile_kernels(llm, args, bandwidth=1e12, overrides={})
+    assert generated == [bench_throughput.make_workload(4, 100, 200, 200, seed=1)[0]]
+    per_token = kv_bytes_per_token("qwen3-0.6b", 2)
+    assert result["kv_bound_s"] == pytest.approx(4000 * per_token / 1e12)
+    assert result["bound_s"] == pytest.approx((20 * parameter_bytes("qwen3-0.6b", 2) + 4000 * per_token) / 1e12)
+    assert result["attention_s"] == pytest.approx(0.4) and result["busy_s"] == pytest.approx(0.5)
+    assert [row[0] for row in result["top"]] == ["attention_kernel", "gemm"]
+    assert "% of the copy bandwidth" in result["lines"][-1]
+
+
 def test_bandwidth_bound_arithmetic():
     """(steps x weight bytes + attended KV entries x bytes per entry) / bandwidth."""
     assert bench_throughput.bandwidth_bound_s(10, 1000, 2_000_000, 100, 1e9) == pytest.approx((2e7 + 1e5) / 1e9)

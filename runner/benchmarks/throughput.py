@@ -3,6 +3,7 @@
     graphrunner bench throughput [--shape qwen3-0.6b] [--mode FULL_AND_PIECEWISE]
         [--num-seqs 256] [--min-len 100] [--max-input-len 1024] [--max-output-len 1024] [--out DIR]
     graphrunner bench throughput --cpu-small     # CPU smoke: 4-layer SmolLM2 shape, 16 short requests
+    graphrunner bench throughput --profile-kernels 25   # then where a run's device time goes
 
 As nano-vllm's bench.py: `random.seed(0)`; per request a prompt of `randint(100, max_input_len)`
 token ids drawn with `randint(0, 10000)`, then per request `SamplingParams(temperature=0.6,
@@ -23,6 +24,13 @@ a separate embedding table). The bandwidth is measured in the same run by a larg
 (decode.copy_bandwidth: bytes read + written / time), or given with --bandwidth-gbs (e.g. the
 nominal figure). `bound/measured` is the share of the bound reached: 100% would mean the run did
 nothing but stream weights and KV at copy speed.
+
+`--profile-kernels N` (a GPU): after the timed run, one more run of a workload of the next seed
+(new prompts: the timed ones would hit the prefix cache) under torch.profiler, its device kernels
+totalled per name (runner/benchmarks/kernel_profile.py): the N longest, the device's busy time,
+and attention's time against the KV part of that run's bound (attention reading every live KV
+entry once per step at the copy bandwidth would take exactly that part). The profiler slows the
+run; its seconds are not the benchmark's.
 """
 
 from __future__ import annotations
@@ -91,6 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine default unless given")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="engine default unless given")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile-kernels", type=int, default=0, metavar="N",
+                        help="a GPU: profile one more run and print its N longest kernels (see above)")
     parser.add_argument("--bandwidth-gbs", type=float, default=None,
                         help="device memory bandwidth for the bound, GB/s (default: measured by a large copy)")
     parser.add_argument("--cpu-small", action="store_true",
@@ -109,6 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("need 1 <= --min-len <= --max-input-len and --max-output-len")
     if args.max_input_len + args.max_output_len > args.max_model_len:
         parser.error(f"--max-input-len + --max-output-len must fit in --max-model-len ({args.max_model_len})")
+    if args.profile_kernels < 0:
+        parser.error("--profile-kernels must be at least 0")
     return args
 
 
@@ -163,6 +175,9 @@ def run(argv: list[str] | None = None) -> dict:
             seconds = time.perf_counter() - started
             after = llm.engine.scheduler.stats()
             counts = {key: after[key] - before[key] for key in ("num_scheduled_steps", "num_kv_tokens_attended")}
+            profile = None
+            if args.profile_kernels and llm.engine.device.type == "cuda":
+                profile = profile_kernels(llm, args, bandwidth, overrides)
             runner = llm.engine.model_runner
             device, resolved = str(runner.device), runner.cudagraph_mode.name
             device_name = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else "cpu"
@@ -196,8 +211,45 @@ def run(argv: list[str] | None = None) -> dict:
           f"{bandwidth / 1e9:.0f} GB/s ({result['bandwidth_source']}) = {bound['bound_s']:.3f} s; measured "
           f"{seconds:.3f} s = {seconds / bound['bound_s']:.2f}x the bound (bound/measured "
           f"{100 * bound['bound_fraction']:.1f}%)")
+    if profile is not None:
+        result["kernel_profile"] = profile
+        print("\n".join(profile["lines"]))
+    elif args.profile_kernels:
+        print("--profile-kernels: no CUDA device, nothing profiled")
     write_json(args.out, "throughput.json", result)
     return result
+
+
+def profile_kernels(llm, args: argparse.Namespace, bandwidth: float, overrides: dict) -> dict:
+    """One more run (a workload of the next seed) under torch.profiler: its kernel totals, and
+    attention's time against the KV part of that run's bound."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from runner.benchmarks.kernel_profile import device_kernels, kernel_totals, table
+
+    prompts, params = make_workload(args.num_seqs, args.min_len, args.max_input_len, args.max_output_len, args.seed + 1)
+    before = llm.engine.scheduler.stats()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+    after = llm.engine.scheduler.stats()
+    counts = {key: after[key] - before[key] for key in ("num_scheduled_steps", "num_kv_tokens_attended")}
+    bound = bound_figures(counts, args.shape, args.dtype, bandwidth, seconds, **overrides)
+    totals = kernel_totals(device_kernels(prof))
+    kv_s = counts["num_kv_tokens_attended"] * bound["kv_bytes_per_token"] / bandwidth
+    attention_s = totals.matching_us("attention", excluding=("merge",)) / 1e6
+    lines = [f"kernel profile (seed {args.seed + 1}, {seconds:.2f} s under the profiler, bound {bound['bound_s']:.3f} s):"]
+    lines += table(totals, args.profile_kernels)
+    if attention_s > 0:
+        lines.append(f"attention kernels {attention_s:.3f} s against the bound's KV reads {kv_s:.3f} s "
+                     f"({100 * kv_s / attention_s:.1f}% of the copy bandwidth)")
+    return {"seconds": seconds, "bound_s": bound["bound_s"], "busy_s": totals.busy_us / 1e6,
+            "kernel_s": totals.total_us / 1e6, "attention_s": attention_s, "kv_bound_s": kv_s,
+            "top": sorted(([name, us / 1e6, n] for name, (us, n) in totals.per_name.items()), key=lambda r: -r[1])
+            [:args.profile_kernels], "lines": lines}
 
 
 if __name__ == "__main__":
