@@ -4,11 +4,12 @@ the exponential race together.
 Why: in torch the draw is a chain of full-batch kernels after the thresholds are known (scale
 by the temperature, mask below the threshold, draw Exp(1), clamp, log, subtract, argmax), each
 reading or writing [rows, vocab] floats: at batch 256 over Llama's 128256 tokens ~130 MB each.
-Here one program per row reads the row's logits once and keeps the argmax of
-x / T - log(q) over the tokens x >= threshold (drawing q only in blocks that keep a token), or
-reads only the row's list of its largest values where the GPU pass made one that holds every
-kept token (runner/sampling/logits_pass.py), q ~ Exp(1) from Philox keyed by the row's seed
-and the token's index (`_uniform`: one Philox evaluation gives four neighbouring tokens theirs):
+Here the programs of a row (a few per row: `PROGRAMS_PER_SM`) each read their share of the row's
+logits once and keep the argmax of x / T - log(q) over the tokens x >= threshold (drawing q only
+in blocks that keep a token), the row's last program to finish taking the best of the shares.
+Where the GPU pass made a list of the row's largest values that holds every kept token
+(runner/sampling/logits_pass.py), the row's first program races over that list alone. q ~ Exp(1)
+from Philox keyed by the row's seed and the token's index (`_uniform`: one Philox evaluation gives four neighbouring tokens theirs):
 the exponential race of runner/sampling/sampler.py `_race`
 (P(token i) = softmax(x / T)_i over the kept tokens), with q drawn here instead of by torch.
 
@@ -173,7 +174,7 @@ def _split_scratch(device: torch.device, rows: int, splits: int):
     captured in a graph; launches on one stream run one after another)."""
     key = (device, torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0)
     held = _scratch.get(key)
-    if held is None or held[0].numel() < rows * splits or held[2].numel() < rows:   # (unused with one split)
+    if held is None or held[0].numel() < rows * splits or held[2].numel() < rows:
         size = max(rows * splits, 0 if held is None else held[0].numel())
         tickets = max(rows, 0 if held is None else held[2].numel())
         held = _scratch[key] = (torch.empty(size, dtype=torch.float32, device=device),
