@@ -190,9 +190,9 @@ def _rope_and_cache_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, pos_ptr, cos_sin_ptr,
     offs = tl.arange(0, BLOCK)
     col_ok = offs < HALF
     pos = tl.load(pos_ptr + token)
+    cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + offs, mask=col_ok, other=0.0)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + offs, mask=col_ok, other=0.0)[None, :]
     if tile < q_tiles:
-        cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + offs, mask=col_ok, other=0.0)[None, :]
-        sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + offs, mask=col_ok, other=0.0)[None, :]
         _rotate_heads(q_ptr + token * q_stride_t, q_stride_h, q_out_ptr + token * num_q_heads * 2 * HALF, 2 * HALF,
                       tile * HEADS + tl.arange(0, HEADS), num_q_heads, cos, sin, q_norm_ptr, norm_eps, HALF, BLOCK,
                       QK_NORM)
@@ -201,8 +201,6 @@ def _rope_and_cache_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, pos_ptr, cos_sin_ptr,
         if slot >= 0:
             at_slot = cache_ptr + (slot // BLOCK_SIZE) * stride_c_b + (slot % BLOCK_SIZE) * stride_c_s
             if tile < q_tiles + k_tiles:
-                cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + offs, mask=col_ok, other=0.0)[None, :]
-                sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + offs, mask=col_ok, other=0.0)[None, :]
                 _rotate_heads(k_ptr + token * k_stride_t, k_stride_h, at_slot, stride_c_h,
                               (tile - q_tiles) * HEADS + tl.arange(0, HEADS), num_k_heads, cos, sin, k_norm_ptr,
                               norm_eps, HALF, BLOCK, QK_NORM)

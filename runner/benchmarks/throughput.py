@@ -70,6 +70,11 @@ def bandwidth_bound_s(num_steps: int, kv_tokens_attended: int, weight_bytes: int
     return (num_steps * weight_bytes + kv_tokens_attended * kv_bytes_per_token) / bandwidth
 
 
+def step_counts(before: dict, after: dict) -> dict:
+    """The scheduler's step and attended-KV counts of a run: `Scheduler.stats()` after minus before."""
+    return {key: after[key] - before[key] for key in ("num_scheduled_steps", "num_kv_tokens_attended")}
+
+
 def bound_figures(counts: dict, shape: str, dtype: str, bandwidth: float, seconds: float, **overrides) -> dict:
     """The bandwidth bound of a run from the scheduler's step and KV counts (deltas over the run)."""
     element = {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
@@ -174,7 +179,7 @@ def run(argv: list[str] | None = None) -> dict:
             outputs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - started
             after = llm.engine.scheduler.stats()
-            counts = {key: after[key] - before[key] for key in ("num_scheduled_steps", "num_kv_tokens_attended")}
+            counts = step_counts(before, after)
             profile = None
             if args.profile_kernels and llm.engine.device.type == "cuda":
                 profile = profile_kernels(llm, args, bandwidth, overrides)
@@ -236,7 +241,7 @@ def profile_kernels(llm, args: argparse.Namespace, bandwidth: float, overrides: 
         torch.cuda.synchronize()
         seconds = time.perf_counter() - started
     after = llm.engine.scheduler.stats()
-    counts = {key: after[key] - before[key] for key in ("num_scheduled_steps", "num_kv_tokens_attended")}
+    counts = step_counts(before, after)
     bound = bound_figures(counts, args.shape, args.dtype, bandwidth, seconds, **overrides)
     totals = kernel_totals(device_kernels(prof))
     kv_s = counts["num_kv_tokens_attended"] * bound["kv_bytes_per_token"] / bandwidth

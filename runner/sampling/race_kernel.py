@@ -152,7 +152,7 @@ most of each SM idle: on an H100, bf16 rows of Qwen3's vocabulary at temperature
 (`graphrunner bench fused_ops`), 191 us at 1 row, 195 at 32, 229 at 256; split, 10-21, 30, 158."""
 MAX_SPLITS = 256
 """At most this many programs per row (the final merge reads a row's partials as one vector)."""
-_scratch: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_scratch: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 def _target_programs(device: torch.device) -> int:
@@ -170,14 +170,13 @@ def _splits(rows: int, vocab: int, device: torch.device) -> tuple[int, int]:
 
 def _split_scratch(device: torch.device, rows: int, splits: int):
     """(scores float32, first indices int32, tickets int32 [rows], zero between launches) for
-    `rows` x `splits` partials, kept per device and stream and grown as needed (sampling is not
-    captured in a graph; launches on one stream run one after another)."""
-    key = (device, torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0)
-    held = _scratch.get(key)
+    `rows` x `splits` partials, kept per device and grown as needed, as the attention kernel keeps
+    its merge tickets (sampling is not captured in a graph; its launches run one after another)."""
+    held = _scratch.get(device)
     if held is None or held[0].numel() < rows * splits or held[2].numel() < rows:
         size = max(rows * splits, 0 if held is None else held[0].numel())
         tickets = max(rows, 0 if held is None else held[2].numel())
-        held = _scratch[key] = (torch.empty(size, dtype=torch.float32, device=device),
+        held = _scratch[device] = (torch.empty(size, dtype=torch.float32, device=device),
                                 torch.empty(size, dtype=torch.int32, device=device),
                                 torch.zeros(tickets, dtype=torch.int32, device=device))
     return held
