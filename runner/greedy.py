@@ -34,8 +34,11 @@ count), so every row count launches one variant of it."""
 
 @triton.jit
 def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, V, stride_row, chunk_len, mask_ptr, mask_stride, constrained_ptr,
-                          BLOCK: tl.constexpr, MASKED: tl.constexpr, PDL: tl.constexpr):
+                          gate_ptr, BLOCK: tl.constexpr, MASKED: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr):
     wait_for_producers(PDL)
+    if GATED:
+        if tl.load(gate_ptr) == 0:   # a graph's step that takes no greedy tokens: nothing to do
+            return
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     start = chunk * chunk_len
@@ -62,8 +65,12 @@ def _argmax_chunks_kernel(x_ptr, val_ptr, idx_ptr, V, stride_row, chunk_len, mas
 
 
 @triton.jit(do_not_specialize=["chunks"])
-def _argmax_rows_kernel(val_ptr, idx_ptr, out_ptr, chunks, CHUNKS_PAD: tl.constexpr, PDL: tl.constexpr):
+def _argmax_rows_kernel(val_ptr, idx_ptr, out_ptr, chunks, gate_ptr, CHUNKS_PAD: tl.constexpr, GATED: tl.constexpr,
+                        PDL: tl.constexpr):
     wait_for_producers(PDL)
+    if GATED:
+        if tl.load(gate_ptr) == 0:
+            return
     row = tl.program_id(0)
     c = tl.arange(0, CHUNKS_PAD)
     ok = c < chunks
@@ -83,15 +90,18 @@ def num_chunks(rows: int, vocab: int, sms: int) -> int:
     return max(1, min(MAX_CHUNKS, -(-2 * sms // rows), -(-vocab // BLOCK)))
 
 
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+def argmax_rows(logits: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
     """int64 [rows]: the first index of each row's maximum, as `logits.argmax(dim=-1)`. A 2-D
-    tensor with contiguous rows; a CPU tensor takes torch's argmax (this is for the GPU)."""
+    tensor with contiguous rows; a CPU tensor takes torch's argmax (this is for the GPU).
+    `gate` (a GPU int32 [1], read when the kernels run): 0 makes both launches return at once and
+    leaves the result unwritten. A graph that computes every step's greedy tokens reads it so that
+    a step which takes none (any row samples) skips the pass over the logits."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"argmax_rows takes 2-D logits with contiguous rows, got {tuple(logits.shape)} "
                          f"strides {logits.stride()}")
     if not logits.is_cuda or logits.shape[0] == 0 or logits.shape[1] >= 2 ** 31 - 1:
         return logits.argmax(dim=-1)
-    return launch(logits, num_sms(logits.device))
+    return launch(logits, num_sms(logits.device), gate=gate)
 
 
 def masked_argmax_rows(logits: torch.Tensor, bitmask: torch.Tensor, constrained: torch.Tensor) -> torch.Tensor:
@@ -133,9 +143,11 @@ def chunking(rows: int, vocab: int, sms: int) -> tuple[int, int]:
     return -(-vocab // chunk_len), chunk_len
 
 
-def launch(logits: torch.Tensor, sms: int, masked: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def launch(logits: torch.Tensor, sms: int, masked: tuple[torch.Tensor, torch.Tensor] | None = None,
+           gate: torch.Tensor | None = None) -> torch.Tensor:
     """The two launches for `sms` SMs (any device: the tests run them in Triton's interpreter);
-    `masked`: (bitmask, constrained rows), as `masked_argmax_rows` takes them."""
+    `masked`: (bitmask, constrained rows), as `masked_argmax_rows` takes them; `gate` as
+    `argmax_rows` takes it."""
     rows, vocab = logits.shape
     chunks, chunk_len = chunking(rows, vocab, sms)
     slots = -(-rows * chunks // 4) * 4   # each half 16-byte aligned: the row count picks no variant
@@ -147,9 +159,10 @@ def launch(logits: torch.Tensor, sms: int, masked: tuple[torch.Tensor, torch.Ten
     device_index = logits.device.index or 0
     pdl = use_pdl(logits.device)
     bitmask, constrained = masked if masked is not None else (out, out)   # unread without MASKED
+    gate_ptr = out if gate is None else gate                               # unread without GATED
     _chunks_launch((rows, chunks), logits, vals, idxs, vocab, logits.stride(0), chunk_len, bitmask,
-                   bitmask.stride(0), constrained, BLOCK, masked is not None, pdl,
+                   bitmask.stride(0), constrained, gate_ptr, BLOCK, masked is not None, gate is not None, pdl,
                    device_index=device_index, num_warps=4, num_stages=1, launch_pdl=pdl)
-    _rows_launch((rows,), vals, idxs, out, chunks, MAX_CHUNKS, pdl,
+    _rows_launch((rows,), vals, idxs, out, chunks, gate_ptr, MAX_CHUNKS, gate is not None, pdl,
                  device_index=device_index, num_warps=1, num_stages=1, launch_pdl=pdl)
     return out

@@ -75,6 +75,9 @@ class InputBatch:
         # Placeholder inputs (async scheduling): token rows to fill, and the previous step's sampled rows.
         self.placeholder_token_rows = _Buffer((max_num_reqs,), torch.int64, device)
         self.placeholder_sample_rows = _Buffer((max_num_reqs,), torch.int64, device)
+        self.graph_greedy = _Buffer((1,), torch.int32, device, fill=1)
+        """1 while the step takes the greedy tokens a decode graph computes, 0 when it does not (the
+        graph's argmax kernels read it: runner/model_runner.py `forward_with_decode_head`)."""
         self.on_device = device.type != "cpu"
         """Host buffers are copied to separate device ones (on a CPU they are the same tensors)."""
         self.guard_uploads = guard_uploads and device.type == "cuda"
@@ -93,7 +96,8 @@ class InputBatch:
     def prepare(self, token_ids: list[list[int]], num_computed: list[int], block_ids: list[list[int]],
                 padded_tokens: int, padded_reqs: int, slots_enabled: bool = True,
                 block_table_ids: list[int] | None = None,
-                placeholders: tuple[list[int], list[int], torch.Tensor] | None = None) -> CommonAttentionMetadata:
+                placeholders: tuple[list[int], list[int], torch.Tensor] | None = None,
+                graph_greedy: bool = True) -> CommonAttentionMetadata:
         """Fill the buffers for requests with these new tokens, context lengths and block tables.
 
         Padded token rows get slot -1 and request index -1; padded requests get query length 0
@@ -101,9 +105,11 @@ class InputBatch:
         `block_table_ids` name the tables (`Request.block_table_id`) so that rows already
         holding them are only extended; without them every row is written whole.
         `placeholders` = (token rows, sampled rows, the previous step's sampled tokens on the
-        device): those input ids are gathered on the device after the upload (async scheduling)."""
+        device): those input ids are gathered on the device after the upload (async scheduling).
+        `graph_greedy`: whether the step takes the greedy tokens a decode graph computes."""
         if self._uploads_done is not None:
             self._uploads_done.synchronize()  # the last step's uploads have left the staging buffers
+        self.graph_greedy.np[0] = graph_greedy
         num_reqs = len(token_ids)
         if num_reqs > padded_reqs or padded_reqs > self.max_num_reqs:
             raise ValueError(f"{num_reqs} requests padded to {padded_reqs} exceed max_num_seqs {self.max_num_reqs}")
@@ -145,7 +151,9 @@ class InputBatch:
         rows are only written here, and each write is uploaded the same step); query_start_loc and
         token_request_index when they hold what was sent last (0, 1, 2, ... in decode); input_ids
         when every token row is a placeholder that the device fills from the last step's samples
-        (its padded rows then keep earlier valid ids: padded rows are inert)."""
+        (its padded rows then keep earlier valid ids: padded rows are inert); the greedy gate
+        when it changed."""
+        self.graph_greedy.upload_if_changed(1)
         self.query_start_loc.upload_if_changed(padded_reqs + 1)
         self.token_request_index.upload_if_changed(padded_tokens)
         self.seq_lens.upload(padded_reqs)

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import gc
 import logging
+import operator
 import time
 from typing import ClassVar
 
@@ -66,10 +67,14 @@ class DecodeOutput:
     pool_fields: ClassVar[tuple[str, ...]] = ("logits",)
 
 
-def forward_with_decode_head(model, input_ids, positions, intermediate=None):
+def forward_with_decode_head(model, input_ids, positions, intermediate=None, greedy_gate=None):
     """The model's forward, and for a uniform-decode step in a graph mode on the last stage also
     the logits and greedy tokens of every (padded) row, so the graph computes them: a
     `DecodeOutput`. Eager steps (NONE, the profile run) and mixed batches return the hidden rows.
+    `greedy_gate` (InputBatch.graph_greedy on the device): the greedy tokens are computed only on
+    the steps that take them (`graph_takes_greedy`); at temperature 0.6 the argmax over 256 rows
+    of Qwen3's vocabulary cost 70 us a step for nothing (`graphrunner bench throughput
+    --profile-kernels 30`, H100: `_argmax_chunks_kernel` and `_argmax_rows_kernel`).
     A function of the model, not a runner method: the graph wrappers hold it, and a bound method
     would make runner -> wrapper -> runner a cycle that keeps a dropped engine's GPU memory
     until the cyclic garbage collector runs."""
@@ -79,7 +84,17 @@ def forward_with_decode_head(model, input_ids, positions, intermediate=None):
     if desc is None or not desc.uniform_decode or not model.model.is_last or context.kv_caches is None:
         return hidden
     logits = model.compute_logits(hidden, float32=False)
-    return DecodeOutput(hidden, logits, argmax_rows(logits))
+    return DecodeOutput(hidden, logits, argmax_rows(logits, greedy_gate))
+
+
+_TEMPERATURE = operator.attrgetter("sampling_params.temperature")
+
+
+def graph_takes_greedy(reqs: list[ScheduledRequest], tp_size: int) -> bool:
+    """Whether a decode graph's greedy tokens can be this step's tokens: only a plain greedy step
+    (every row at temperature 0) of one process takes them (runner/sampling/stage.py
+    `fast_greedy`); a tensor-parallel step takes the argmax of the gathered logits eagerly."""
+    return tp_size == 1 and not any(map(_TEMPERATURE, reqs))
 
 
 class ModelRunner(GraphStartUp):
@@ -160,7 +175,8 @@ class ModelRunner(GraphStartUp):
     def _build_graph_wrappers(self, pool) -> None:
         """FULL wraps PIECEWISE wraps the model: each acts only when the forward context's runtime
         mode is its own, so one callable serves every mode the dispatcher picks."""
-        forward = self.model_forward = functools.partial(forward_with_decode_head, self.model)
+        forward = self.model_forward = functools.partial(forward_with_decode_head, self.model,
+                                                         greedy_gate=self.input_batch.graph_greedy.gpu)
         compilation = self.config.compilation
         check = AddressCheck.from_config(compilation.check_cudagraph_addresses, compilation.debug_cudagraph_addresses)
         warm_every = compilation.warms_up_every_capture(self.config.parallel.world_size)
@@ -326,7 +342,8 @@ class ModelRunner(GraphStartUp):
         common = self.input_batch.prepare([r.token_ids for r in reqs], [r.num_computed_tokens for r in reqs],
                                           [r.block_ids for r in reqs], padded_tokens, padded_reqs,
                                           block_table_ids=[r.block_table_id for r in reqs],
-                                          placeholders=placeholders)
+                                          placeholders=placeholders,
+                                          graph_greedy=graph_takes_greedy(reqs, self.tp_size))
         return mode, desc, padded_tokens, common
 
     def padded_num_tokens(self, sched: SchedulerOutput, decision=None) -> int:

@@ -39,6 +39,28 @@ def test_nan_counts_as_largest():
     assert greedy.launch(x, 8).item() == 2500
 
 
+def test_a_closed_gate_writes_nothing_and_an_open_one_the_argmax():
+    """The gate a graph reads (`argmax_rows(logits, gate)`): at 0 both passes return before
+    touching their outputs, at 1 they compute torch's argmax."""
+    rows, vocab, sms = 3, 3000, 8
+    x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    chunks, chunk_len = greedy.chunking(rows, vocab, sms)
+    vals = torch.full((rows * chunks,), 7.0, device=DEVICE)
+    idxs = torch.full((rows * chunks,), 7, dtype=torch.int32, device=DEVICE)
+    out = torch.full((rows,), -1, dtype=torch.int64, device=DEVICE)
+    for value in (0, 1):
+        gate = torch.tensor([value], dtype=torch.int32, device=DEVICE)
+        greedy._argmax_chunks_kernel[(rows, chunks)](x, vals, idxs, vocab, x.stride(0), chunk_len, out, 0, out, gate,
+                                                     BLOCK=greedy.BLOCK, MASKED=False, GATED=True, PDL=False)
+        greedy._argmax_rows_kernel[(rows,)](vals, idxs, out, chunks, gate, CHUNKS_PAD=greedy.MAX_CHUNKS, GATED=True,
+                                            PDL=False)
+        if value == 0:
+            assert (out == -1).all() and (vals == 7.0).all() and (idxs == 7).all()
+        else:
+            assert torch.equal(out, x.argmax(dim=-1))
+    assert torch.equal(greedy.launch(x, sms, gate=torch.ones(1, dtype=torch.int32, device=DEVICE)), x.argmax(dim=-1))
+
+
 def test_cpu_tensor_takes_torch_argmax_and_rejects_bad_layout():
     x = torch.randn(4, 10)
     assert torch.equal(argmax_rows(x), x.argmax(-1))

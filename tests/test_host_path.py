@@ -70,7 +70,7 @@ def step_sequences(draw):
 
 
 BUFFERS = ("input_ids", "positions", "slot_mapping", "token_request_index", "query_start_loc", "seq_lens",
-           "block_table", "placeholder_token_rows", "placeholder_sample_rows")
+           "block_table", "placeholder_token_rows", "placeholder_sample_rows", "graph_greedy")
 
 
 def with_device_copies(batch: InputBatch, monkeypatch) -> list[str]:
@@ -145,7 +145,7 @@ def test_steady_decode_uploads_only_what_changed(monkeypatch):
 
     every = sorted(["query_start_loc", "token_request_index", "seq_lens", "slot_mapping", "positions",
                     "block_table", "input_ids"])
-    assert step([5, 2], [(0, [3, 4]), (1, [6])]) == every
+    assert step([5, 2], [(0, [3, 4]), (1, [6])]) == sorted(every + ["graph_greedy"])   # the gate's first upload
     steady = ["positions", "seq_lens", "slot_mapping"]
     assert step([6, 3], [(0, [3, 4]), (1, [6])], sampled=[11, 12]) == steady
     assert step([7, 4], [(0, [3, 4]), (1, [6, 8])], sampled=[13, 14]) == sorted(steady + ["block_table"])
@@ -153,6 +153,33 @@ def test_steady_decode_uploads_only_what_changed(monkeypatch):
     assert step([9, 6], [(0, [3, 4, 9]), (1, [6, 8])], sampled=[17, 18]) == steady
     # A third request joins (its token is known, not a placeholder): every buffer goes again.
     assert step([10, 7, 0], [(0, [3, 4, 9]), (1, [6, 8]), (2, [5])]) == every
+
+
+def test_the_greedy_gate_reaches_the_device_when_it_changes(monkeypatch):
+    """`graph_greedy` (read by a decode graph's argmax kernels) is on the device for every step
+    and is copied only on the steps where it changed."""
+    batch = InputBatch(16, 4, MAX_BLOCKS, BS, torch.device("cpu"))
+    log = with_device_copies(batch, monkeypatch)
+    for start, gate, copied in [(5, True, True), (6, True, False), (7, False, True), (8, False, False),
+                                (9, True, True)]:
+        log.clear()
+        batch.prepare([[0]], [start], [[3, 4, 5]], 1, 1, block_table_ids=[0], graph_greedy=gate)
+        assert batch.graph_greedy.gpu.tolist() == [int(gate)]
+        assert ("graph_greedy" in log) == copied
+
+
+def test_the_graph_takes_greedy_tokens_only_when_every_row_is_greedy():
+    from types import SimpleNamespace
+
+    from configs import SamplingParams
+    from runner.model_runner import graph_takes_greedy
+
+    def reqs(*temperatures):
+        return [SimpleNamespace(sampling_params=SamplingParams(temperature=t)) for t in temperatures]
+
+    assert graph_takes_greedy(reqs(0.0, 0.0), 1)
+    assert not graph_takes_greedy(reqs(0.0, 0.6), 1) and not graph_takes_greedy(reqs(1e-6), 1)
+    assert not graph_takes_greedy(reqs(0.0, 0.0), 2)   # tensor parallel: the argmax of the gathered logits
 
 
 def test_input_batch_rows_follow_the_tables():

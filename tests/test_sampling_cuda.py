@@ -69,6 +69,26 @@ def test_min_tokens_on_the_gpu(tiny, mode, async_scheduling):
         _release(llm)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_greedy_rows_beside_sampled_ones_then_alone(tiny, async_scheduling):
+    """A decode graph computes the greedy tokens only on the steps that take them (its argmax reads
+    the gate InputBatch.graph_greedy): greedy requests decoding beside sampled ones (gate shut, the
+    sampler's argmax) and then alone (gate open, the graph's tokens) give the tokens they give alone."""
+    path, prompts = tiny
+    llm = _llm(path, CUDAGraphMode.FULL, async_scheduling=async_scheduling)
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=5, ignore_eos=True)
+        alone = [o.outputs[0].token_ids for o in llm.generate(prompts[:3], greedy, use_tqdm=False)]
+        mixed = llm.generate(prompts[:6], [greedy] * 3 + [sampled] * 3, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in mixed[:3]] == alone
+        assert [len(o.outputs[0].token_ids) for o in mixed[3:]] == [5] * 3
+        assert llm.engine.model_runner.input_batch.graph_greedy.gpu.item() == 1   # the last steps: greedy alone
+        assert llm.engine.model_runner.steps_by_mode["FULL"] > 0
+    finally:
+        _release(llm)
+
+
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
 def test_every_accepted_seed_runs_on_a_cuda_generator(tiny, mode):
     path, prompts = tiny

@@ -18,14 +18,15 @@ from runner.sampling.kernels import sampling_kernel, triton_module
 from runner.sampling.processors import LogitsProcessors
 
 
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+def argmax_rows(logits: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
     """`logits.argmax(dim=-1)` of 2-D logits; on a GPU by runner/greedy.py's two short launches
-    (torch's one-block reduction is slow for one row of a large vocabulary: see that module). On a
-    CPU by `max(dim=-1).indices`: the same index (the first maximum; NaN wins as in argmax), and
-    faster than argmax there for a decode batch's logits."""
+    (torch's one-block reduction is slow for one row of a large vocabulary: see that module), which
+    skip their work while the device's `gate` holds 0 (see `greedy.argmax_rows`). On a CPU by
+    `max(dim=-1).indices`: the same index (the first maximum; NaN wins as in argmax), and faster
+    than argmax there for a decode batch's logits."""
     kernels = triton_module("greedy") if logits.is_cuda else None
     if kernels is not None:
-        return kernels.argmax_rows(logits)
+        return kernels.argmax_rows(logits, gate)
     return logits.max(dim=-1).indices if logits.device.type == "cpu" else logits.argmax(dim=-1)
 
 # Temperatures below this are greedy (as in vLLM): dividing by ~0 only overflows.
