@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-from configs import CUDAGraphMode
+from configs import CUDAGraphMode, SamplingParams
 from launch.compile_ahead import compile_ahead, compile_threads, queuing_launches
 from launch.kernel_cache import wait_triton_key
 from runner import start_up_record
@@ -120,13 +120,16 @@ class GraphStartUp:
     def queue_sampling_variants(self) -> None:
         """Inside `queuing_launches`: the sampler's kernels of the profile run (the same call on
         a batch of the profile run's rows, without logprobs: their gather would index with the
-        draw's tokens, which a queued launch never writes; the kernels are the same), and, on the
+        draw's tokens, which a queued launch never writes; the kernels are the same), the draw of
+        rows at a temperature alone (vLLM's default SamplingParams: no candidate lists, another
+        variant of the draw, which otherwise compiled inside the first sampled step), and, on the
         rank that samples, every variant of the eager greedy argmax (runner/greedy.queue_variants)."""
         from runner import greedy
         from runner.model_runner import PROFILE_SAMPLING
         rows = min(self.max_num_reqs, sum(self.profile_lengths()))
         hidden = torch.zeros(rows, self.spec.hidden_size, dtype=self.dtype, device=self.device)
         self.profile_sampling(hidden, PROFILE_SAMPLING.model_copy(update={"logprobs": None}))
+        self.profile_sampling(hidden, SamplingParams(temperature=1.0))
         if self.tp_rank == 0:
             greedy.queue_variants(self.spec.vocab_size, (self.dtype, torch.float32), self.device)
 

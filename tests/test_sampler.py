@@ -55,6 +55,20 @@ def test_from_params_flags_and_tensors():
     assert m2.max_num_logprobs is None
 
 
+@pytest.mark.parametrize("rows", [1, 3, 14, 16, 17])
+def test_every_metadata_field_starts_16_byte_aligned(rows):
+    """Triton compiles a variant per pointer alignment: the fields of any batch size start 16-byte
+    aligned (views into padded uploads), so the kernels compiled ahead serve every batch."""
+    params = [SamplingParams(temperature=0.5 + i % 3, top_k=i % 4, top_p=0.9, min_p=0.05) for i in range(rows)]
+    m = meta(params)
+    for name in ("temperature", "top_k", "top_p", "min_p", "greedy", "scale", "min_p_offset", "top_p_column",
+                 "top_p_on", "top_k_on", "top_k_index"):
+        field = getattr(m, name)
+        assert field.data_ptr() % 16 == 0 and field.shape[0] == rows, name
+    assert m.scale[:, 0].tolist() == pytest.approx([p.temperature for p in params])
+    assert m.top_k.tolist() == [p.top_k for p in params]
+
+
 # ---------------------------------------------------------------- greedy
 
 def test_greedy_is_argmax_and_input_untouched():

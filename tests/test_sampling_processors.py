@@ -45,6 +45,20 @@ def test_no_feature_builds_nothing():
     assert _processors([_req("a", SamplingParams()), _req("b", SamplingParams(temperature=0))])[0] is None
 
 
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_penalty_factor_columns_start_16_byte_aligned(rows):
+    """The penalty pass (a Triton kernel, compiled per pointer alignment) reads one column per
+    factor: each starts 16-byte aligned whatever the batch size, and holds its rows' factors."""
+    reqs = [_req(f"r{i}", SamplingParams(repetition_penalty=1.1 + i, frequency_penalty=0.5, presence_penalty=0.25 * i),
+                 prompt=[1, 2]) for i in range(rows)]
+    procs, _ = _processors(reqs)
+    rep, freq, pres = procs.penalties.row_factors
+    for column in (rep, freq, pres):
+        assert column.data_ptr() % 16 == 0 and column.shape == (rows,)
+    assert rep.tolist() == pytest.approx([1.1 + i for i in range(rows)])
+    assert pres.tolist() == pytest.approx([0.25 * i for i in range(rows)]) and freq.tolist() == [0.5] * rows
+
+
 def test_min_tokens_masks_stop_ids_only_inside_the_window():
     logits = torch.randn(4, V)
     reqs = [_req("in", SamplingParams(min_tokens=3), outputs=2, stop_ids={2, 7}),

@@ -157,7 +157,8 @@ def test_start_up_batches_run_through_the_model_in_each_keys_mode(runner_factory
 def test_queued_sampling_repeats_the_profile_runs_sampler_call_without_logprobs(runner_factory, monkeypatch):
     """kernels_compiled_ahead queues the sampler kernels the profile run launches: the same sampler
     call on as many rows (launches only queued, so no logprobs, whose gather would read the draw's
-    unwritten tokens), and the greedy argmax variants on the rank that samples."""
+    unwritten tokens), the draw at a temperature alone (no top-k/top-p: no candidate lists), and
+    the greedy argmax variants on the rank that samples."""
     from runner import greedy
     runner, _ = runner_factory("FULL_AND_PIECEWISE")
     runner.load_model()
@@ -175,7 +176,8 @@ def test_queued_sampling_repeats_the_profile_runs_sampler_call_without_logprobs(
     runner.queue_sampling_variants()
     rows = min(runner.max_num_reqs, sum(runner.profile_lengths()))
     expected = ((rows, runner.spec.vocab_size), torch.float32)
-    assert calls == [(*expected, 5, False, False, True), (*expected, None, False, False, True)]
+    assert calls == [(*expected, 5, False, False, True), (*expected, None, False, False, True),
+                     (*expected, None, True, True, True)]
     assert queued == [(runner.spec.vocab_size, (torch.float32, torch.float32), runner.device)]
 
 

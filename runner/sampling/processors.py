@@ -156,11 +156,14 @@ class LogitsProcessors:
             for i, row in enumerate(pen_rows):
                 row_slots[row], row_rep[row], row_freq[row], row_pres[row] = (pen_slots[i], repetition[i],
                                                                               frequency[i], presence[i])
-            factors = torch.tensor([row_rep, row_freq, row_pres], dtype=torch.float32)
+            # Rows of 4 floats' multiples: each factor column starts 16-byte aligned on the device, so the
+            # penalty pass compiles one variant for every batch size (Triton specialises on alignment).
+            factors = torch.ones(3, -(-count // 4) * 4, dtype=torch.float32)
+            factors[:, :count] = torch.tensor([row_rep, row_freq, row_pres], dtype=torch.float32)
             out.penalties = _Penalties(ints(pen_rows), ints(pen_slots), floats(presence), floats(frequency),
                                        floats(repetition), any(r != 1.0 for r in repetition),
                                        any(p or f for p, f in zip(presence, frequency)),
-                                       pen_rows == list(range(count)), ints(row_slots), to_device(factors))
+                                       pen_rows == list(range(count)), ints(row_slots), to_device(factors)[:, :count])
         if state_rows:
             # One upload: rows, slots, offsets.
             rows, slots, offsets = ints(state_rows + state_slots + [s * vocab_size for s in state_slots]).view(3, -1)

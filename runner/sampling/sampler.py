@@ -29,6 +29,10 @@ def argmax_rows(logits: torch.Tensor, gate: torch.Tensor | None = None) -> torch
         return kernels.argmax_rows(logits, gate)
     return logits.max(dim=-1).indices if logits.device.type == "cpu" else logits.argmax(dim=-1)
 
+ALIGNED_COLUMNS = 16
+"""The metadata's host columns are this many entries wide per block (`_columns`): 16 bytes of the
+narrowest (bool) field, so every field's row starts 16-byte aligned."""
+
 # Temperatures below this are greedy (as in vLLM): dividing by ~0 only overflows.
 _SAMPLING_EPS = 1e-5
 
@@ -86,7 +90,8 @@ class SamplingMetadata:
         requested = [p.logprobs for p in params if p.logprobs is not None]
         floats, ints, flags = _columns(params, greedy, top_k)
         move = to_device or (lambda t: t.to(device))
-        floats, ints, flags = move(floats), move(ints), move(flags)
+        n = len(params)
+        floats, ints, flags = move(floats)[:, :n], move(ints)[:, :n], move(flags)[:, :n]
         temperature, top_p, min_p, scale, min_p_offset = floats
         return cls(
             temperature=temperature, top_k=ints[0], top_p=top_p, min_p=min_p, greedy=flags[0],
@@ -107,18 +112,27 @@ class SamplingMetadata:
 
 def _columns(params: list[SamplingParams], greedy: list[bool],
              top_k: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The host tensors of `SamplingMetadata.from_params`: float32 [5, N] (temperature, top_p,
-    min_p, scale, min_p_offset), int64 [2, N] (top_k, top-k index), bool [3, N] (greedy, top-p on,
-    top-k on). The derived floats are computed in float32 by torch, as the sampler used to per step."""
-    floats = torch.empty(5, len(params), dtype=torch.float32)
-    floats[0] = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-    floats[1] = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-    floats[2] = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+    """The host tensors of `SamplingMetadata.from_params`: float32 [5, W] (temperature, top_p,
+    min_p, scale, min_p_offset), int64 [2, W] (top_k, top-k index), bool [3, W] (greedy, top-p on,
+    top-k on), of which the first N = len(params) columns are the rows' (the rest zeros). The
+    derived floats are computed in float32 by torch, as the sampler used to per step.
+    W = N rounded up to ALIGNED_COLUMNS, so that every field starts 16-byte aligned: Triton
+    compiles a kernel variant per pointer alignment, and with W = N the fields of a batch of,
+    say, 14 rows were not aligned, so the draw compiled a second variant inside serving (one
+    that start-up had not compiled ahead)."""
+    n = len(params)
+    width = -(-max(n, 1) // ALIGNED_COLUMNS) * ALIGNED_COLUMNS
+    floats = torch.zeros(5, width, dtype=torch.float32)
+    floats[0, :n] = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    floats[1, :n] = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+    floats[2, :n] = torch.tensor([p.min_p for p in params], dtype=torch.float32)
     greedy_rows = torch.tensor(greedy, dtype=torch.bool)
-    floats[3] = floats[0].masked_fill(greedy_rows, 1.0)
-    floats[4] = floats[3] * floats[2].log()   # min_p = 0: log 0 = -inf, which masks nothing
-    ints = torch.tensor([top_k, [max(k, 1) - 1 for k in top_k]], dtype=torch.int64).view(2, len(params))
-    flags = torch.stack([greedy_rows, floats[1] < 1.0, torch.tensor(top_k, dtype=torch.int64) > 0])
+    floats[3, :n] = floats[0, :n].masked_fill(greedy_rows, 1.0)
+    floats[4, :n] = floats[3, :n] * floats[2, :n].log()   # min_p = 0: log 0 = -inf, which masks nothing
+    ints = torch.zeros(2, width, dtype=torch.int64)
+    ints[:, :n] = torch.tensor([top_k, [max(k, 1) - 1 for k in top_k]], dtype=torch.int64).view(2, n)
+    flags = torch.zeros(3, width, dtype=torch.bool)
+    flags[:, :n] = torch.stack([greedy_rows, floats[1, :n] < 1.0, torch.tensor(top_k, dtype=torch.int64) > 0])
     return floats, ints, flags
 
 
