@@ -29,6 +29,7 @@ def argmax_rows(logits: torch.Tensor, gate: torch.Tensor | None = None) -> torch
         return kernels.argmax_rows(logits, gate)
     return logits.max(dim=-1).indices if logits.device.type == "cpu" else logits.argmax(dim=-1)
 
+
 ALIGNED_COLUMNS = 16
 """The metadata's host columns are this many entries wide per block (`_columns`): 16 bytes of the
 narrowest (bool) field, so every field's row starts 16-byte aligned."""
