@@ -104,7 +104,7 @@ class ModelRunner(GraphStartUp):
         set_active_kernel_config(config.kernel)   # before anything below picks a kernel
         if device.type == "cuda":   # Triton compiles into <cache_dir>/triton, beside the native builds
             use_triton_cache(config.kernel.cache_dir)
-            hash_triton_ahead()
+            hash_triton_ahead(config.kernel.cache_dir)
         if config.parallel.threads is not None:
             torch.set_num_threads(config.parallel.threads)
         self.device, self.dtype, self.max_model_len = device, dtype, max_model_len

@@ -118,3 +118,54 @@ def test_triton_is_hashed_and_its_driver_made_once_on_a_thread_and_waited_for(mo
     kernel_cache.hash_triton_ahead()
     kernel_cache.wait_triton_key()
     assert calls == [("key", "triton-key"), ("driver", "triton-key")]
+
+
+def test_triton_key_is_kept_by_fingerprint_and_read_back_by_the_next_process(monkeypatch, tmp_path):
+    """With a cache folder the first start-up hashes Triton and keeps the key under the installed
+    Triton's fingerprint; the next reads it back and installs it (no hash), so `triton_key()`
+    returns it; another fingerprint (Triton changed) hashes again."""
+    import triton.runtime.cache
+    from triton.runtime import driver
+    from launch import kernel_cache
+    hashed = []
+
+    def start(key):   # one process's start-up: a fresh thread and a fresh Triton
+        monkeypatch.setattr(kernel_cache, "_triton_key_thread", None)
+        monkeypatch.setattr(triton.runtime.cache, "triton_key", lambda: hashed.append(key) or key)
+        kernel_cache.hash_triton_ahead(tmp_path)
+        kernel_cache.wait_triton_key()
+        hashes = list(hashed)
+        return triton.runtime.cache.triton_key(), hashes
+
+    monkeypatch.setattr(type(driver), "active", property(lambda self: None))
+    monkeypatch.setattr(kernel_cache, "triton_fingerprint", lambda: "fingerprint-1")
+    assert start("key-1") == ("key-1", ["key-1"])
+    assert (tmp_path / "triton" / kernel_cache.TRITON_KEY_FILE).exists()
+    hashed.clear()
+    assert start("key-2") == ("key-1", [])                            # read back, not hashed
+    monkeypatch.setattr(kernel_cache, "triton_fingerprint", lambda: "fingerprint-2")
+    hashed.clear()
+    assert start("key-3") == ("key-3", ["key-3"])                     # Triton changed: hashed again
+    assert kernel_cache.recalled_triton_key(tmp_path, "fingerprint-2") == "key-3"
+    assert kernel_cache.recalled_triton_key(tmp_path, "fingerprint-1") is None
+    assert not [p for p in (tmp_path / "triton").iterdir() if p.name.startswith(".")]   # no private file left
+
+
+def test_the_fingerprint_follows_every_file_of_the_package(tmp_path):
+    package = tmp_path / "triton"
+    (package / "_C").mkdir(parents=True)
+    (package / "language.py").write_text("x = 1\n")
+    (package / "_C" / "libtriton.so").write_bytes(b"\0" * 64)
+    first = kernel_cache_fingerprint(package)
+    assert kernel_cache_fingerprint(package) == first
+    assert kernel_cache_fingerprint(package, version="3.7.0") != first
+    (package / "language.py").write_text("x = 22\n")                  # another size
+    second = kernel_cache_fingerprint(package)
+    assert second != first
+    os.utime(package / "_C" / "libtriton.so", ns=(1, 1))              # another modification time
+    assert kernel_cache_fingerprint(package) != second
+
+
+def kernel_cache_fingerprint(package, version="3.6.0"):
+    from launch.kernel_cache import triton_fingerprint
+    return triton_fingerprint(str(package), version)
