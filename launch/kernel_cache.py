@@ -1,7 +1,8 @@
 """Where compiled kernels are kept: every cache under one folder, KernelConfig.cache_dir.
 
     <cache_dir>/native   C libraries built by launch/native_build.py (CPU kernels, the step graph's driver calls)
-    <cache_dir>/triton   Triton's compiled kernels (what compile-ahead fills at start-up) and its driver stubs
+    <cache_dir>/triton   Triton's compiled kernels (what compile-ahead fills at start-up), its driver stubs,
+                         and Triton's own cache key by the installed Triton's fingerprint (triton-key.json)
 
 cache_dir defaults to $GRAPHRUNNER_HOME (else ~/.cache/graphrunner), where the embedded checkpoint is
 built too, so one variable moves, or empties, everything graphrunner writes; GRAPHRUNNER_CACHE_DIR
