@@ -30,10 +30,10 @@ class NoOpGraphForTests:
         NoOpGraphForTests.captures += 1
 
     def capture_end(self) -> None:
-        pass
+        """Nothing was recorded, so there is nothing to close."""
 
     def replay(self) -> None:
-        pass
+        """Nothing was recorded, so nothing runs."""
 
 
 class KVRequiredBackend(TorchSDPABackend):

@@ -26,3 +26,12 @@ def sampling_kernel(name: str, logits: torch.Tensor):
     if not (logits.is_cuda and logits.stride(1) == 1 and active_kernel_config().triton_sampling):
         return None
     return triton_module(name)
+
+
+def aligned_width(n: int, itemsize: int) -> int:
+    """Columns of a [fields, width] host upload that holds n entries of `itemsize` bytes per field,
+    so that every field's row starts 16-byte aligned on the device (the first n columns are the
+    entries). Why: Triton compiles a kernel variant per pointer alignment, and fields viewed at
+    offsets of n entries made some batch sizes launch variants that start-up had not compiled."""
+    step = 16 // itemsize
+    return -(-max(n, 1) // step) * step

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.sampling.kernels import sampling_kernel, triton_module
+from runner.sampling.kernels import aligned_width, sampling_kernel, triton_module
 from runner.sampling.state import SamplingStates, needs_token_state
 from runner.scheduler import ScheduledRequest
 
@@ -156,9 +156,7 @@ class LogitsProcessors:
             for i, row in enumerate(pen_rows):
                 row_slots[row], row_rep[row], row_freq[row], row_pres[row] = (pen_slots[i], repetition[i],
                                                                               frequency[i], presence[i])
-            # Rows of 4 floats' multiples: each factor column starts 16-byte aligned on the device, so the
-            # penalty pass compiles one variant for every batch size (Triton specialises on alignment).
-            factors = torch.ones(3, -(-count // 4) * 4, dtype=torch.float32)
+            factors = torch.ones(3, aligned_width(count, 4), dtype=torch.float32)   # one penalty-pass variant
             factors[:, :count] = torch.tensor([row_rep, row_freq, row_pres], dtype=torch.float32)
             out.penalties = _Penalties(ints(pen_rows), ints(pen_slots), floats(presence), floats(frequency),
                                        floats(repetition), any(r != 1.0 for r in repetition),

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from configs.sampling_params import SamplingParams
-from runner.sampling.kernels import sampling_kernel, triton_module
+from runner.sampling.kernels import aligned_width, sampling_kernel, triton_module
 from runner.sampling.processors import LogitsProcessors
 
 
@@ -28,11 +28,6 @@ def argmax_rows(logits: torch.Tensor, gate: torch.Tensor | None = None) -> torch
     if kernels is not None:
         return kernels.argmax_rows(logits, gate)
     return logits.max(dim=-1).indices if logits.device.type == "cpu" else logits.argmax(dim=-1)
-
-
-ALIGNED_COLUMNS = 16
-"""The metadata's host columns are this many entries wide per block (`_columns`): 16 bytes of the
-narrowest (bool) field, so every field's row starts 16-byte aligned."""
 
 # Temperatures below this are greedy (as in vLLM): dividing by ~0 only overflows.
 _SAMPLING_EPS = 1e-5
@@ -117,12 +112,11 @@ def _columns(params: list[SamplingParams], greedy: list[bool],
     min_p, scale, min_p_offset), int64 [2, W] (top_k, top-k index), bool [3, W] (greedy, top-p on,
     top-k on), of which the first N = len(params) columns are the rows' (the rest zeros). The
     derived floats are computed in float32 by torch, as the sampler used to per step.
-    W = N rounded up to ALIGNED_COLUMNS, so that every field starts 16-byte aligned: Triton
-    compiles a kernel variant per pointer alignment, and with W = N the fields of a batch of,
-    say, 14 rows were not aligned, so the draw compiled a second variant inside serving (one
-    that start-up had not compiled ahead)."""
+    W = `aligned_width` of N for the narrowest field (bool), so every field starts 16-byte
+    aligned: with W = N the fields of a batch of, say, 14 rows were not, and the draw compiled a
+    second variant inside serving (one that start-up had not compiled ahead)."""
     n = len(params)
-    width = -(-max(n, 1) // ALIGNED_COLUMNS) * ALIGNED_COLUMNS
+    width = aligned_width(n, 1)
     floats = torch.zeros(5, width, dtype=torch.float32)
     floats[0, :n] = torch.tensor([p.temperature for p in params], dtype=torch.float32)
     floats[1, :n] = torch.tensor([p.top_p for p in params], dtype=torch.float32)
