@@ -190,7 +190,6 @@ def _sort_kernel(list_ptr, stride_list, counter_ptr, x_ptr, stride_x, values_ptr
     C = count
     if count <= CAP:   # every value >= the bound: sorted, they are the candidates (ties included)
         v = tl.load(list_ptr + row * stride_list + idx, mask=idx < count, other=float("-inf"))
-        tl.store(out + idx, tl.sort(v, descending=True))
     else:   # overflow: the exact k+1 largest, from the row itself
         K = k1 - 1
         C = k1
@@ -227,8 +226,10 @@ def _sort_kernel(list_ptr, stride_list, counter_ptr, x_ptr, stride_x, values_ptr
             n += tl.sum(above.to(tl.int32), axis=0)
         tl.debug_barrier()
         v = tl.load(out + idx)
-        tl.debug_barrier()
-        tl.store(out + idx, tl.sort(v, descending=True))
+    # One sort for both branches: its network, unrolled over CAP values, is most of the kernel's
+    # compile time (the longest of the start-up's), and each call site compiles its own.
+    tl.debug_barrier()   # the overflow branch read `out`, which the sorted values now overwrite
+    tl.store(out + idx, tl.sort(v, descending=True))
     tl.store(lengths_ptr + row * 2, K)
     tl.store(lengths_ptr + row * 2 + 1, C)
     if THRESHOLDS:   # the row's min-p / top-k / top-p threshold from the sorted list, in the same launch
