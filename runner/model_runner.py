@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import gc
 import logging
-import operator
 import time
 from typing import ClassVar
 
@@ -37,6 +36,7 @@ from runner.outputs import ModelRunnerOutput, PendingOutput
 from runner.platform import zeroed_host_tensor
 from runner.sampling import SamplingMetadata, SamplingStage, argmax_rows
 from runner.sampling.prompt_logprobs import PromptLogprobs
+from runner.sampling.stage import all_at_temperature_zero
 from runner.scheduler import ScheduledRequest, SchedulerOutput
 from runner.start_up_times import StartUpTimes
 
@@ -87,14 +87,12 @@ def forward_with_decode_head(model, input_ids, positions, intermediate=None, gre
     return DecodeOutput(hidden, logits, argmax_rows(logits, greedy_gate))
 
 
-_TEMPERATURE = operator.attrgetter("sampling_params.temperature")
-
-
 def graph_takes_greedy(reqs: list[ScheduledRequest], tp_size: int) -> bool:
     """Whether a decode graph's greedy tokens can be this step's tokens: only a plain greedy step
-    (every row at temperature 0) of one process takes them (runner/sampling/stage.py
-    `fast_greedy`); a tensor-parallel step takes the argmax of the gathered logits eagerly."""
-    return tp_size == 1 and not any(map(_TEMPERATURE, reqs))
+    (every row at temperature 0: the sampling stage's own rule, `all_at_temperature_zero`) of one
+    process takes them (`fast_greedy`); a tensor-parallel step takes the argmax of the gathered
+    logits eagerly."""
+    return tp_size == 1 and all_at_temperature_zero(reqs)
 
 
 class ModelRunner(GraphStartUp):

@@ -25,6 +25,15 @@ from runner.scheduler import ScheduledRequest
 
 
 _REQUEST_ID = operator.attrgetter("request_id")
+_TEMPERATURE = operator.attrgetter("sampling_params.temperature")
+
+
+def all_at_temperature_zero(reqs: list[ScheduledRequest]) -> bool:
+    """Whether every row's temperature is exactly 0: the first condition of a plain greedy step,
+    the only kind that takes `fast_greedy` (`SamplingStage._plan`). The runner asks it before the
+    forward, to tell a decode graph whether to compute its greedy tokens
+    (runner/model_runner.py `graph_takes_greedy`), so both read the one rule. A C-level pass."""
+    return not any(map(_TEMPERATURE, reqs))
 
 
 def _inside_min_tokens(reqs: list[ScheduledRequest], rows: list[int]) -> tuple[int, ...]:
@@ -118,7 +127,7 @@ class SamplingStage:
         inside = _inside_min_tokens(reqs, min_token_rows)
         processors = LogitsProcessors.build(reqs, self.states, self.vocab_size, self.to_device)
         metadata = None
-        if processors is not None or not all(p.temperature == 0.0 and p.logprobs is None for p in params):
+        if processors is not None or not all_at_temperature_zero(reqs) or any(p.logprobs is not None for p in params):
             generators = {row: self.states.generator(req) for row, req in enumerate(reqs)
                           if req.sampling_params.seed is not None}
             metadata = SamplingMetadata.from_params(params, generators, self.device, processors, self.to_device)
