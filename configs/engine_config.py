@@ -140,6 +140,11 @@ class CompilationConfig(_Config):
         ge=0, description="threads that compile the start-up's Triton kernels ahead of their first launch; "
                           "None: one per CPU up to 16; 0: each compiles at its first launch "
                           "[GRAPHRUNNER_COMPILE_THREADS]")
+    gemm_warm_up: bool = Field(
+        default_factory=env_default("GRAPHRUNNER_GEMM_WARM_UP", "CompilationConfig.gemm_warm_up", True),
+        description="make cuBLAS's first call of each GEMM shape the graph captures will run on a helper thread "
+                    "while the profile run holds the main one (runner/gemm_warm_up.py); off: each capture pays "
+                    "its shapes' first calls [GRAPHRUNNER_GEMM_WARM_UP]")
 
     def warms_up_every_capture(self, world_size: int) -> bool:
         """`warm_up_every_capture`, its auto value resolved for this many ranks."""

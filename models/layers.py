@@ -294,7 +294,12 @@ class Linear(nn.Linear):
         raise WeightLoadError(f"{type(self).__name__} is not packed, yet shard {shard_id!r} was given")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.product(x, self.bias)
+        return self.product(x, self.product_bias())
+
+    def product_bias(self) -> torch.Tensor | None:
+        """The bias `forward` hands to `product` (a row-parallel layer adds its own after the
+        all-reduce), for code that repeats the layer's GEMM as it runs (runner/gemm_warm_up.py)."""
+        return self.bias
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T + bias by the fastest path for x's shape (a row-parallel layer passes bias
@@ -413,7 +418,10 @@ class RowParallelLinear(Linear):
         param.data.copy_(loaded[:, start:start + self.in_features])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.reduce(self.product(x, None))
+        return self.reduce(self.product(x, self.product_bias()))
+
+    def product_bias(self) -> None:
+        return None   # added once, after the all-reduce (`reduce`)
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """This rank's partial product -> the full one: all-reduce, then the bias once."""

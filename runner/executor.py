@@ -20,7 +20,9 @@ logger = logging.getLogger(__name__)
 
 def start_model_runner(runner: ModelRunner, config: EngineConfig, agreement=None) -> int:
     """The warm-up contract, steps 1-4: load, profile without a KV cache, measure the graph
-    reserve, size and allocate the cache, capture; all but the load with their Triton kernels
+    reserve, size and allocate the cache, capture; cuBLAS's first calls of the captures' GEMM shapes
+    made on a helper thread from the load to the end of the profile run (runner/gemm_warm_up.py); all
+    but the load with their Triton kernels
     compiled ahead, in parallel (`kernels_compiled_ahead`), unless every rank's kernel cache holds
     them from an earlier start-up of the same configuration (runner/start_up_record.py), which
     also recorded the graph reserve then measured.
@@ -35,13 +37,17 @@ def start_model_runner(runner: ModelRunner, config: EngineConfig, agreement=None
     times = runner.start_up_times
     with times.phase("load"):
         runner.load_model()
+    gemms = runner.start_gemm_warm_up()   # cuBLAS's first calls on a helper thread until the first capture
     earlier = runner.earlier_start_up()
     cached = earlier is not None
     if agreement is not None:   # the queue pass and the reserve's captures run collectives: all ranks or none
         cached = agreement.min(int(cached)) == 1
     with runner.kernels_compiled_ahead(queue=not cached):
         with times.phase("profile"):
-            peak = runner.profile_run()
+            try:
+                peak = runner.profile_run()
+            finally:
+                gemms.wait()
             reserve = runner.measure_graph_reserve(earlier.graph_reserve_bytes if cached else None)
         with times.phase("kv_cache"):
             blocks = num_kv_blocks(config, runner.kv_cache_bytes_per_block(), runner.device, peak, reserve,

@@ -23,6 +23,7 @@ from launch.compile_ahead import compile_ahead, compile_threads, queuing_launche
 from launch.kernel_cache import wait_triton_key
 from runner import start_up_record
 from runner.cudagraph import AddressCheck, BatchDescriptor, capture_all, graph_pool, measure_graph_memory
+from runner.gemm_warm_up import GemmWarmUp, gemm_signatures
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,18 @@ class GraphStartUp:
         common = self.input_batch.prepare(requests, [0] * len(requests), [[] for _ in requests],
                                              desc.num_tokens, padded_reqs, slots_enabled=False)
         self._forward(desc.num_tokens, common, mode, desc, forward)
+
+    def start_gemm_warm_up(self) -> GemmWarmUp:
+        """cuBLAS's first calls of every projection shape the captures will run, started on a helper
+        thread (runner/gemm_warm_up.py); `wait()` it before the first capture. It does nothing where
+        nothing is captured (a CPU, graphs off) or with CompilationConfig.gemm_warm_up off."""
+        captures = self.cudagraph_mode != CUDAGraphMode.NONE and self.device.type == "cuda"
+        if not (captures and self.config.compilation.gemm_warm_up):
+            return GemmWarmUp([], [], self.device)
+        warm_up = GemmWarmUp(gemm_signatures(self.model),
+                             [desc.num_tokens for _, desc in self.dispatcher.all_keys_to_capture()], self.device)
+        warm_up.start()
+        return warm_up
 
     def _compiles_ahead(self) -> bool:
         return (self.cudagraph_mode != CUDAGraphMode.NONE and self.device.type == "cuda"

@@ -56,6 +56,7 @@ def test_the_checker_sees_reads_and_writes(tmp_path):
 EVERY_SWITCH = {
     "GRAPHRUNNER_CACHE_DIR": ("/tmp/gr-cache", "/tmp/gr-cache"),
     "GRAPHRUNNER_COMPILE_THREADS": ("3", 3),
+    "GRAPHRUNNER_GEMM_WARM_UP": ("0", False),
     "GRAPHRUNNER_CPU_ISA": ("avx2", "avx2"),
     "GRAPHRUNNER_CPU_KERNELS": ("0", False),
     "GRAPHRUNNER_CPU_LINEAR_PACK": ("onednn", "onednn"),
