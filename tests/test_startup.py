@@ -192,6 +192,36 @@ def test_startup_bench_smoke(tmp_path, capsys):
     assert "| tokens | graphrunner generate s | HF s | time ratio |" in printed
 
 
+def test_startup_bench_gpu_rows_alternate_a_setting_with_the_default(tmp_path, monkeypatch, capsys):
+    """`--gpu-against NAME=VALUE`: each setting has its own cache folder (its empty row fills it),
+    the warm runs alternate AB, BA, ..., only the other setting's children see the variable, and
+    the medians of each (shape, caches, setting) are printed. The children are faked: this checks
+    the plan, not a GPU."""
+    from runner.benchmarks import startup
+    monkeypatch.setattr("runner.benchmarks.model_shapes.write_config", lambda shape, folder: Path(folder))
+    runs = []
+
+    def fake_child(argv, env=None):
+        cache, setting = argv[-1], env.get("BENCH_SETTING", "default")
+        runs.append((cache, setting))
+        seconds = 2.0 if setting == "default" else 3.0
+        breakdown = {"load": 0.1, "profile": 0.5, "kv_cache": 0.0, "compile": 0.0, "capture": seconds - 0.6}
+        return {"seconds": 9.0, "peak_rss_mib": 1.0,
+                "output": "RESULT " + json.dumps({"llm_to_ready_s": seconds, "breakdown": breakdown})}
+    monkeypatch.setattr(startup, "run_child", fake_child)
+    rows = startup.gpu_rows(["qwen3-0.6b"], tmp_path, warm_runs=3, against="BENCH_SETTING=0")
+    timed = runs[1:]   # the first run only fills Python's bytecode cache
+    assert [s for _, s in timed] == ["default", "0", "default", "0", "0", "default", "default", "0"]
+    caches = {setting: {c for c, s in timed if s == setting} for setting in ("default", "0")}
+    assert all(len(c) == 1 for c in caches.values()) and caches["default"] != caches["0"]
+    assert [(r["caches"], r["setting"]) for r in rows[:2]] == [("empty caches", "default"),
+                                                                ("empty caches", "BENCH_SETTING=0")]
+    startup.print_gpu(rows)
+    printed = capsys.readouterr().out
+    assert "| qwen3-0.6b | warm caches | BENCH_SETTING=0 (median of 3) | 3.00 |" in printed
+    assert "| qwen3-0.6b | warm caches | default (median of 3) | 2.00 |" in printed
+
+
 # ---- packed weights only where they pay -----------------------------------------------------------
 @pytest.fixture(params=["mkl", "onednn"])
 def pack(request):

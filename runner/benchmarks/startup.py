@@ -1,7 +1,8 @@
 """Start-up: process start to first token (and to N tokens), engine vs HF transformers, side by side.
 
     graphrunner bench startup [--model default] [--tokens 1 8] [--repeats 3] [--threads N] [--gpu-tokenizer DIR]
-                              [--gpu-shapes llama-3.2-1b qwen3-0.6b] [--no-cpu] [--smoke] [--out DIR]
+                              [--gpu-shapes llama-3.2-1b qwen3-0.6b] [--gpu-warm-runs 2]
+                              [--gpu-against NAME=VALUE] [--no-cpu] [--smoke] [--out DIR]
 
 CPU, each in a fresh subprocess, alternating (engine, HF, engine, HF, ...) `--repeats` times per
 token count: (a) `graphrunner generate --model PATH --chat --max-tokens N` (`python -m runner.cli`,
@@ -18,10 +19,13 @@ EOS or after N tokens (the same greedy text: the same work; both texts are print
 GPU (when torch sees one, and `--gpu-shapes` is not empty): `LLM(model=<shape folder>,
 load_format="dummy")` to ready, in a fresh subprocess, for each shape of
 runner/benchmarks/model_shapes.py: once with every cache folder empty (KernelConfig.cache_dir, where
-Triton's and the native builds' caches live, set to a new temporary folder) and then twice with
-the caches that run filled (warm), after one untimed run that fills Python's bytecode cache (see
-`gpu_rows`). `--no-cpu` leaves the CPU comparison out (a GPU machine
-without the embedded checkpoint). The seconds printed come from the child's own clock
+Triton's and the native builds' caches live, set to a new temporary folder) and then
+`--gpu-warm-runs` times (2) with the caches that run filled (warm), after one untimed run that
+fills Python's bytecode cache (see `gpu_rows`). `--gpu-against NAME=VALUE` runs each of these
+again with that environment variable set, alternating with the default, and prints the medians of
+each setting: a switch's effect measured on one host at one time, where hosts differ by more than
+most start-up changes. `--no-cpu` leaves the CPU comparison out (a GPU machine without the
+embedded checkpoint). The seconds printed come from the child's own clock
 around `LLM(...)` plus the engine's start-up breakdown (load, profile, KV cache, compile, capture).
 With `--gpu-tokenizer DIR` each shape folder also holds that tokenizer's files, so `LLM(...)`
 loads a tokenizer as it does for a user's checkpoint.
@@ -36,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -139,29 +144,48 @@ def cpu_rows(path: str, token_counts: list[int], repeats: int, threads: int | No
     return rows
 
 
-def gpu_rows(shapes: list[str], folder: Path, tokenizer: str | None = None) -> list[dict]:
+def gpu_rows(shapes: list[str], folder: Path, tokenizer: str | None = None, warm_runs: int = 2,
+             against: str | None = None) -> list[dict]:
     """Each shape (with `tokenizer`'s files copied in, as a user's checkpoint has them, where
     given): an untimed run first (its own throwaway kernel cache) so that Python's bytecode
     cache holds every module the start-up imports, as in an installed environment: children write
     their bytecode under one PYTHONPYCACHEPREFIX (where site-packages has no bytecode and is read-only,
     every process would otherwise compile the sources of torch and transformers again, seconds of
-    every row). Then the rows: empty kernel caches, then warm ones."""
+    every row). Then the rows: empty kernel caches, then `warm_runs` warm ones.
+
+    `against` ("NAME=VALUE", an environment variable such as GRAPHRUNNER_GEMM_WARM_UP=0): every row
+    also runs with that variable set, in its own cache folder, the two settings alternating (the
+    warm runs in the order AB, BA, AB, ...), so that a change behind a switch is measured against
+    its absence on one host at one time."""
     from runner.benchmarks.model_shapes import write_config
     rows = []
     env = dict(os.environ)
     env.setdefault("PYTHONPYCACHEPREFIX", str(folder / "pycache"))
+    settings = [("default", env)]
+    if against:
+        name, _, value = against.partition("=")
+        settings.append((against, {**env, name: value}))
     for shape in shapes:
         path = write_config(shape, folder / shape)
         if tokenizer:
             copy_tokenizer(Path(tokenizer), path)
         with tempfile.TemporaryDirectory(prefix="graphrunner-bytecode-") as throwaway:
             run_child([sys.executable, "-c", GPU_SCRIPT, str(path), throwaway], env=env)
-        with tempfile.TemporaryDirectory(prefix="graphrunner-cold-") as cache:
-            for label in ("empty caches", "warm caches", "warm caches"):
-                result = run_child([sys.executable, "-c", GPU_SCRIPT, str(path), cache], env=env)
+        caches = [tempfile.mkdtemp(prefix="graphrunner-cold-") for _ in settings]
+        try:
+            order = [("empty caches", i) for i in range(len(settings))]
+            for run in range(warm_runs):
+                order += [("warm caches", i) for i in (range(len(settings)) if run % 2 == 0 else
+                                                      reversed(range(len(settings))))]
+            for label, i in order:
+                result = run_child([sys.executable, "-c", GPU_SCRIPT, str(path), caches[i]], env=settings[i][1])
                 line = next(line for line in result["output"].splitlines() if line.startswith("RESULT "))
-                rows.append({"shape": shape, "caches": label, **json.loads(line[len("RESULT "):]),
+                rows.append({"shape": shape, "caches": label, "setting": settings[i][0],
+                             **json.loads(line[len("RESULT "):]),
                              "process_s": result["seconds"], "peak_rss_mib": result["peak_rss_mib"]})
+        finally:
+            for cache in caches:
+                shutil.rmtree(cache, ignore_errors=True)
     return rows
 
 
@@ -200,13 +224,33 @@ def print_cpu(rows: list[dict]) -> None:
 
 
 def print_gpu(rows: list[dict]) -> None:
-    print("| shape | caches | LLM(...) to ready s | load | profile | KV cache | compile | capture | process s |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
+    """One line per start-up, then (with several of a kind) the median of each (shape, caches, setting)."""
+    header = "| shape | caches | setting | LLM(...) to ready s | load | profile | KV cache | compile | capture | process s |"
+    print(header)
+    print("|---|---|---|" + "---:|" * 7)
+
+    def line(r: dict, label: str) -> str:
         b = r["breakdown"]
-        print(f"| {r['shape']} | {r['caches']} | {r['llm_to_ready_s']:.2f} | {b.get('load', 0):.2f} | "
-              f"{b.get('profile', 0):.2f} | {b.get('kv_cache', 0):.2f} | {b.get('compile', 0):.2f} | "
-              f"{b.get('capture', 0):.2f} | {r['process_s']:.1f} |")
+        return (f"| {r['shape']} | {r['caches']} | {label} | {r['llm_to_ready_s']:.2f} | {b.get('load', 0):.2f} | "
+                f"{b.get('profile', 0):.2f} | {b.get('kv_cache', 0):.2f} | {b.get('compile', 0):.2f} | "
+                f"{b.get('capture', 0):.2f} | {r['process_s']:.1f} |")
+    for r in rows:
+        print(line(r, r["setting"]))
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["shape"], r["caches"], r["setting"]), []).append(r)
+    if all(len(group) == 1 for group in groups.values()):
+        return
+    print("\nMedians:")
+    print(header)
+    print("|---|---|---|" + "---:|" * 7)
+    for group in groups.values():
+        median = {"shape": group[0]["shape"], "caches": group[0]["caches"],
+                  "llm_to_ready_s": statistics.median(r["llm_to_ready_s"] for r in group),
+                  "process_s": statistics.median(r["process_s"] for r in group),
+                  "breakdown": {k: statistics.median(r["breakdown"].get(k, 0) for r in group)
+                                for k in ("load", "profile", "kv_cache", "compile", "capture")}}
+        print(line(median, f"{group[0]['setting']} (median of {len(group)})"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="model shapes timed LLM(...) to ready on a GPU (none: skip)")
     parser.add_argument("--gpu-tokenizer", metavar="DIR",
                         help="a tokenizer folder copied into each GPU shape's folder, so LLM(...) loads it too")
+    parser.add_argument("--gpu-warm-runs", type=int, default=2, help="warm-cache start-ups of each shape (and setting)")
+    parser.add_argument("--gpu-against", metavar="NAME=VALUE",
+                        help="also run every GPU start-up with this environment variable set, alternating with "
+                             "the default (e.g. GRAPHRUNNER_GEMM_WARM_UP=0: the tree against its switch off)")
     parser.add_argument("--no-cpu", action="store_true", help="skip the CPU comparison with HF (GPU rows only)")
     parser.add_argument("--smoke", action="store_true", help="tiny random checkpoint, 1 token, 1 repeat (tests)")
     add_out_argument(parser)
@@ -238,7 +286,10 @@ def main(argv: list[str] | None = None) -> int:
                   "cpu": rows, "cpus": os.cpu_count()}
         import torch
         if torch.cuda.is_available() and args.gpu_shapes:
-            result["gpu"] = gpu_rows(args.gpu_shapes, Path(scratch), args.gpu_tokenizer)
+            if args.gpu_against and "=" not in args.gpu_against:
+                parser.error(f"--gpu-against takes NAME=VALUE, got {args.gpu_against!r}")
+            result["gpu"] = gpu_rows(args.gpu_shapes, Path(scratch), args.gpu_tokenizer, args.gpu_warm_runs,
+                                     args.gpu_against)
             print_gpu(result["gpu"])
     write_json(args.out, "startup.json", result)
     return 0
