@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from configs.kernel_config import active_kernel_config
+from launch.compile_ahead import compiling_ahead
 from launch.native_build import cpu_vendor
 from models import cpu_kernels
 from models.parallel_state import shard_heads, shard_size, tensor_parallel_all_reduce, tensor_parallel_group
@@ -307,6 +308,13 @@ class Linear(nn.Linear):
         kernels = small_batch(x) if x.dim() == 2 else None
         if kernels is not None:   # one row: the one-row GEMV streams the weight faster than cuBLAS
             return kernels.linear(x, self.weight, bias)
+        if compiling_ahead():
+            # The compile-ahead pass (launch/compile_ahead.py) only collects the Triton launches of
+            # the start-up's batches, which do not run: what follows reads this product's shape, not
+            # its values. A cuBLAS call here would spend the main thread's time on cuBLAS's first call
+            # of each shape, which runner/gemm_warm_up.py makes on a helper thread meanwhile. Zeros,
+            # not empty memory: the sampler's torch ops in that pass then see finite logits.
+            return x.new_zeros((*x.shape[:-1], self.weight.shape[0]))
         rows = x.shape[0] if x.dim() == 2 else (x.numel() // x.shape[-1] if x.numel() else 0)
         if (x.is_cuda or not _in_decode_step() or not PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS
                 or x.dtype != torch.float32 or self.weight.dtype != torch.float32):

@@ -1,6 +1,6 @@
 """The start-up's cuBLAS warm-up (runner/gemm_warm_up.py) on a CPU: which GEMMs it plans, that each
 call is the product `Linear.product` computes, that a failure on its thread costs nothing but the
-warm-up, and where the runner starts it. The GPU test (tests/test_gemm_warm_up_cuda.py) runs it
+warm-up, where the runner starts it, and that the compile-ahead pass leaves cuBLAS to it. The GPU test (tests/test_gemm_warm_up_cuda.py) runs it
 in a real start-up."""
 
 from __future__ import annotations
@@ -96,6 +96,23 @@ def test_a_failure_on_the_helper_is_logged_and_start_up_goes_on(tiny, monkeypatc
         warm.wait()
     assert isinstance(warm.error, RuntimeError)
     assert "the cuBLAS warm-up stopped (RuntimeError: CUDA out of memory (simulated))" in caplog.text
+
+
+def test_the_compile_ahead_pass_makes_no_gemm(tiny, monkeypatch):
+    """Inside the compile-ahead pass a projection returns zeros of its output's shape without a
+    GEMM (nothing reads its values there; cuBLAS's first calls are the helper's); outside it, the
+    product."""
+    from models import layers
+    _, _, model = tiny
+    down = model.model.layers["0"].mlp.down_proj
+    x = torch.randn(2, 3, down.in_features)
+    expected = F.linear(x, down.weight, down.bias)
+    monkeypatch.setattr(layers, "compiling_ahead", lambda: True)
+    monkeypatch.setattr(layers.F, "linear", lambda *a, **k: pytest.fail("a GEMM in the compile-ahead pass"))
+    out = down(x)
+    assert out.shape == expected.shape and out.dtype == expected.dtype and not out.any()
+    monkeypatch.undo()
+    torch.testing.assert_close(down(x), expected)
 
 
 def test_nothing_to_warm_is_a_no_op():
