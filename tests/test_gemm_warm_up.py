@@ -51,6 +51,18 @@ def test_plan_is_every_row_count_smallest_first_without_gemv_rows(tiny, monkeypa
     assert [m for _, _, m in GemmWarmUp(signatures, [1, 2], torch.device("cpu")).calls] == [2] * len(signatures)
 
 
+def test_plan_leaves_out_shapes_whose_buffers_would_be_too_large(tiny, monkeypatch):
+    _, _, model = tiny
+    signatures = gemm_signatures(model)
+    widest = max(max(w.shape) for w, _ in signatures)
+    monkeypatch.setattr(gemm_warm_up, "BUFFER_BYTES", 8 * widest * 4)   # float32: 8 rows of the widest
+    plan = {(tuple(w.shape), m) for w, _, m in GemmWarmUp(signatures, [4, 8, 16], torch.device("cpu")).calls}
+    expected = {(tuple(w.shape), m) for w, _ in signatures for m in (4, 8, 16) if m * max(w.shape) <= 8 * widest}
+    assert plan == expected
+    wide = next(tuple(w.shape) for w, _ in signatures if max(w.shape) == widest)
+    assert (wide, 8) in plan and (wide, 16) not in plan
+
+
 def test_each_call_is_the_layers_product(tiny):
     """`_call` writes F.linear(x, weight, bias) into its output buffer for every planned shape
     (with and without a bias): the GEMM the captures will call, not another."""
