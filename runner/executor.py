@@ -20,12 +20,12 @@ logger = logging.getLogger(__name__)
 
 def start_model_runner(runner: ModelRunner, config: EngineConfig, agreement=None) -> int:
     """The warm-up contract, steps 1-4: load, profile without a KV cache, measure the graph
-    reserve, size and allocate the cache, capture; cuBLAS's first calls of the captures' GEMM shapes
-    made on a helper thread from the load to the end of the profile run (runner/gemm_warm_up.py); all
-    but the load with their Triton kernels
+    reserve, size and allocate the cache, capture; all but the load with their Triton kernels
     compiled ahead, in parallel (`kernels_compiled_ahead`), unless every rank's kernel cache holds
     them from an earlier start-up of the same configuration (runner/start_up_record.py), which
-    also recorded the graph reserve then measured.
+    also recorded the graph reserve then measured. cuBLAS's first call of each GEMM shape the
+    captures will run is made on a helper thread from the load to the end of the profile run
+    (runner/gemm_warm_up.py).
     `agreement` (runner/distributed/comm.py Agreement: `min(int)` and `gather(obj)` over every rank;
     None for one process) makes the ranks of a multi-process engine agree on the graph plan before
     the load, on skipping the compile-ahead pass and the reserve's measurement, on the block count
