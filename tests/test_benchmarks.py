@@ -332,3 +332,15 @@ def test_cpu_engine_vs_hf_bench_smoke(tmp_path, capsys):
     assert all(e > 0 and h > 0 for e, h in result["lockstep_runs"]) and result["lockstep_ratio"] > 0
     printed = capsys.readouterr().out
     assert "| lockstep (median ratio) |" in printed and "| whole runs, alternating |" in printed
+
+
+def test_cublas_first_cases_measure_what_they_name():
+    """`graphrunner bench cublas_first`'s three cases, run in this process on the CPU with a small
+    shape (on a GPU each runs in a fresh process): each times what its columns name. SmolLM2 has four
+    projection shapes; on a CPU every one of the 51 capture sizes takes the GEMM (no one-row GEMV)."""
+    import torch
+    from runner.benchmarks import cublas_first
+    rows = {case: cublas_first.run_case(case, "smollm2-135m", torch.device("cpu")) for case in cublas_first.CASES}
+    assert rows["main"]["calls"] == 4 * 51 and rows["main"]["first_s"] > 0 and rows["main"]["repeat_s"] > 0
+    assert rows["helper"]["helper_s"] > 0 and rows["helper"]["after_helper_s"] > 0
+    assert rows["beside"]["alone_s"] > 0 and rows["beside"]["beside_s"] > 0 and rows["beside"]["helper_s"] > 0
