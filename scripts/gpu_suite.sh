@@ -147,6 +147,10 @@ for stage in "${STAGES[@]}"; do
       ;;
     startup)
       step startup 300 "${BENCH[@]}" startup --no-cpu --out "$OUT_DIR/startup"
+      # The cuBLAS warm-up against its absence, alternating on one host (hosts differ by more than it).
+      step startup-gemm-warm-up 300 "${BENCH[@]}" startup --no-cpu --gpu-shapes qwen3-0.6b --gpu-warm-runs 6 \
+        --gpu-against GRAPHRUNNER_GEMM_WARM_UP=0 --out "$OUT_DIR/startup-gemm-warm-up"
+      step cublas-first 120 "${BENCH[@]}" cublas_first --shape qwen3-0.6b --out "$OUT_DIR/cublas-first"
       step load 120 "${BENCH[@]}" load --device cuda --no-embedded --num-layers 16 --out "$OUT_DIR/load"
       ;;
     capture)
