@@ -448,9 +448,8 @@ def row_parallel_linear(in_features: int, out_features: int, bias: bool, field: 
 def linear_by(kernel_linear, x: torch.Tensor, layer: Linear) -> torch.Tensor:
     """`kernel_linear(x, weight, bias)` (a fused path's own GEMV, e.g. small_batch_kernels.linear)
     with `layer`'s parameters; a RowParallelLinear's all-reduce and bias follow it."""
-    if isinstance(layer, RowParallelLinear):
-        return layer.reduce(kernel_linear(x, layer.weight, None))
-    return kernel_linear(x, layer.weight, layer.bias)
+    out = kernel_linear(x, layer.weight, layer.product_bias())
+    return layer.reduce(out) if isinstance(layer, RowParallelLinear) else out
 
 
 SCREEN_MIN_ROWS = 16

@@ -20,10 +20,10 @@ would land in the profile peak that sizes the KV cache; its first calls stay in 
 
 Memory, so that the KV cache's size does not depend on thread timing: the input and output buffers
 (at most BUFFER_BYTES each: 9 MiB in all for Qwen3-0.6B's shapes at 512 rows, 42 MiB for
-Llama-3-8B's; larger capture sizes keep their first calls) are allocated before the thread starts and the first call of every shape kind (with bias and
-without) is made before `start` returns, so cuBLAS's workspace for the helper's handle (32 MiB on
-an H100, kept by torch for the process) is allocated before the profile run resets its peak; the
-helper then allocates nothing. `wait` joins the thread before any capture (another thread's CUDA
+Llama-3-8B's; larger capture sizes keep their first calls) are allocated before the thread
+starts, and the first call of each kind (with a bias and without) is made before `start`
+returns, so cuBLAS's workspace for the helper's handle (32 MiB on an H100, kept by torch for the
+process) is allocated before the profile run resets its peak; the helper then allocates nothing. `wait` joins the thread before any capture (another thread's CUDA
 calls would invalidate a capture in CUDA's global capture mode) and drops the buffers.
 A failure on the helper (out of memory, say) is logged and costs only the time it would have saved.
 """
@@ -116,18 +116,16 @@ class GemmWarmUp:
                 if stream is not None:   # the current device and stream are the thread's own in torch
                     on.enter_context(torch.cuda.device(self.device))
                     on.enter_context(torch.cuda.stream(stream))
-                first_kinds = {}
-                for index, (_, bias, _) in enumerate(self.calls):
-                    first_kinds.setdefault(bias is None, index)
-                for index in sorted(first_kinds.values()):
-                    self._call(*self.calls[index])
+                first_of_each_kind = {}   # with a bias and without: each allocates its workspace
+                for call in self.calls:
+                    first_of_each_kind.setdefault(call[1] is None, call)
+                for call in first_of_each_kind.values():
+                    self._call(*call)
                 if stream is not None:
                     stream.synchronize()   # the workspace is allocated: the main thread may reset its peak
                 primed.set()
-                done = set(first_kinds.values())
-                for index, call in enumerate(self.calls):
-                    if index not in done:
-                        self._call(*call)
+                for call in self.calls:   # the first ones again too: repeats, microseconds
+                    self._call(*call)
                 if stream is not None:
                     stream.synchronize()
         except BaseException as error:  # noqa: BLE001 - a start-up optimisation: reported by `wait`

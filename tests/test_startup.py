@@ -92,7 +92,7 @@ def recorded_llm(monkeypatch):
     seen = {}
 
     class Recorded(Exception):
-        pass
+        """Raised in place of building the engine, once the options are recorded."""
 
     def recording_llm(model, **options):
         seen.update(options, model=model)
