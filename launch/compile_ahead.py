@@ -21,8 +21,9 @@ Triton's async compile mode (older Triton) compile_ahead does nothing and says s
 from __future__ import annotations
 
 import logging
-import os
 import functools
+import os
+import time
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -126,7 +127,9 @@ def _with_launcher(compile_call) -> Any:
     parallel and the first launch finds them in Triton's cache (a newer Triton without per-kernel
     launchers makes this cheap). Best effort: a launcher that fails to build here is built, and its
     error raised, at the first launch as before."""
+    started = time.perf_counter()
     kernel = compile_call()
+    logger.debug("compiled %s in %.2f s", getattr(kernel, "name", kernel), time.perf_counter() - started)
     src, metadata = getattr(kernel, "src", None), getattr(kernel, "metadata", None)
     if src is not None and metadata is not None:
         try:

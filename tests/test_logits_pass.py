@@ -24,6 +24,9 @@ pytest.importorskip("triton")
 from configs import SamplingParams  # noqa: E402
 from runner.sampling import LogitsProcessors, Sampler, SamplingMetadata, SamplingStates  # noqa: E402
 from runner.scheduler import ScheduledRequest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from runner.sampling.logits_pass import _sort_descending  # noqa: E402
 
 VOCAB = 3000   # on a GPU two blocks of the pass without candidates, the second partial
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -193,6 +196,36 @@ def test_candidates_equal_torch_topk_in_the_interpreter(small_blocks):
     _check_candidates("cpu", widths=(2, 3, 5), vocabs=(7, 3000))
 
 
+@triton.jit
+def _sort_rows(x_ptr, out_ptr, CAP: tl.constexpr, CHUNK: tl.constexpr):
+    row = tl.program_id(0)
+    v = tl.load(x_ptr + row * CAP + tl.arange(0, CAP))
+    _sort_descending(v, out_ptr + row * CAP, CAP, CHUNK)
+
+
+def _check_rank_sort(device: str) -> None:
+    """`_sort_descending` places every value of a list (ties, -0.0 and +0.0, infinities, NaN) once,
+    largest first in the order of `_order_key`, for CAP a multiple of the chunk and not."""
+    gen = torch.Generator().manual_seed(3)
+    for cap, chunk in ((128, 32), (16, 32), (64, 16)):
+        x = (torch.randint(-4, 5, (3, cap), generator=gen).float() / 2)   # ties everywhere
+        x[0, :4] = torch.tensor([-0.0, 0.0, float("inf"), float("-inf")])
+        x[1, :5] = torch.tensor([float("nan"), float("-inf"), float("-inf"), -0.0, 0.0])
+        x[2] = torch.randn(cap, generator=gen)
+        out = torch.full_like(x, 7.0).to(device)
+        _sort_rows[(3,)](x.to(device), out, cap, chunk)
+        bits = out.cpu().view(torch.int32)
+        keys = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)   # _order_key
+        want = x.view(torch.int32)
+        want = torch.where(want < 0, want ^ 0x7FFFFFFF, want).sort(dim=1, descending=True).values
+        assert torch.equal(keys, want), (cap, chunk, out)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="Triton on a CPU needs TRITON_INTERPRET=1")
+def test_rank_sort_places_every_value_in_the_interpreter():
+    _check_rank_sort("cpu")
+
+
 def _sampler_case(rows: int, vocab: int, device: str, greedy: bool):
     """Logits, metadata and processors of a batch with penalties, top-k / top-p / min-p (random
     rows) or greedy rows only; the same token history on either device."""
@@ -217,6 +250,7 @@ def test_logits_pass_on_the_gpu(kernel_switches):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     _check_penalties("cuda", 51)
+    _check_rank_sort("cuda")
     _check_candidates("cuda")
     _check_race("cuda", 128256)
     _check_mask("cuda", 3000, 51)
