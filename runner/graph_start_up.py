@@ -94,12 +94,13 @@ class GraphStartUp:
         """Start-up inside this block compiles its Triton kernels on compiler threads
         (launch/compile_ahead.py) instead of one at a time at their first launch.
         Entering queues the compile of every variant the profile run and the graph captures will
-        launch: on the rank that samples, the sampler's (its sort kernel is the longest compile:
-        queued first, it starts first) and every variant of the eager greedy argmax
-        (runner/greedy.queue_variants); then the inert batches run once through the model itself
-        (no graph wrapper), the profile batch without a KV cache, each capture key in its runtime
-        mode (so FULL's split-KV attention and the decode head pick the variants the capture will)
-        against a one-block scratch KV cache of the real cache's layout. The compiles then run
+        launch: the inert batches run once through the model itself (no graph wrapper), the
+        profile batch without a KV cache, each capture key in its runtime mode (so FULL's split-KV
+        attention and the decode head pick the variants the capture will) against a one-block
+        scratch KV cache of the real cache's layout; then, on the rank that samples, the sampler's
+        and every variant of the eager greedy argmax (runner/greedy.queue_variants). The compiles
+        start in that order, so the model's, which the profile run meets first and which hold the
+        longest (the attention kernels), are not queued behind the sampler's. The compiles then run
         while the block does its work: a launch of a kernel still compiling waits for that one.
         Leaving waits for the rest. A plain block on a CPU, with graphs off, with
         CompilationConfig.compile_threads=0, or with `queue` False (every rank found the record of
@@ -119,10 +120,10 @@ class GraphStartUp:
         started = time.perf_counter()
         with compile_ahead(threads) as asynchronous:
             if asynchronous:
-                with queuing_launches():   # the compiles start in this order: the sampler's sort first
+                with queuing_launches():   # the compiles start in this order: the model's first
+                    self._run_start_up_batches(self.model_forward)
                     if self.model.model.is_last:
                         self.queue_sampling_variants()
-                    self._run_start_up_batches(self.model_forward)
                 self.precompile_seconds = time.perf_counter() - started
                 logger.info("queued the compiles of the start-up's kernels (%d graph shapes) on %d threads in "
                             "%.2f s", len(self.dispatcher.all_keys_to_capture()), threads, self.precompile_seconds)

@@ -181,6 +181,28 @@ def test_queued_sampling_repeats_the_profile_runs_sampler_call_without_logprobs(
     assert queued == [(runner.spec.vocab_size, (torch.float32, torch.float32), runner.device)]
 
 
+def test_the_queue_pass_queues_the_models_kernels_before_the_samplers(runner_factory, monkeypatch):
+    """The compiles start in the order they are queued: the model's (the profile run meets them
+    first; the attention kernels are the longest) before the sampler's and the argmax's."""
+    from contextlib import contextmanager, nullcontext
+    from runner import graph_start_up
+    runner, _ = runner_factory("FULL_AND_PIECEWISE")
+    runner.load_model()
+    order = []
+
+    @contextmanager
+    def compile_ahead(threads):
+        yield True
+    monkeypatch.setattr(graph_start_up, "compile_ahead", compile_ahead)
+    monkeypatch.setattr(graph_start_up, "queuing_launches", nullcontext)
+    monkeypatch.setattr(runner, "_compiles_ahead", lambda: True)
+    monkeypatch.setattr(runner, "_run_start_up_batches", lambda forward: order.append("model"))
+    monkeypatch.setattr(runner, "queue_sampling_variants", lambda: order.append("sampler"))
+    with runner.kernels_compiled_ahead():
+        pass
+    assert order == ["model", "sampler"]
+
+
 def test_a_start_up_with_graphs_leaves_a_record_the_next_one_finds(runner_factory, monkeypatch, tmp_path):
     """record_start_up writes the record of this configuration, with its graph reserve, once its
     graphs are captured (only where kernels compile ahead: a GPU with graphs), and earlier_start_up

@@ -52,6 +52,9 @@ from runner.sampling.threshold_kernel import row_threshold
 BLOCK = 2048
 """Tokens per program of the passes over the rows."""
 MAX_SUB_BLOCK = 512
+RANK_CHUNK = 32
+"""List values the sort compares each value with at a time (`_sort_descending`): a [CAP, 32] tile,
+32 comparisons per thread of its 8 warps at CAP 256."""
 MAX_CANDIDATES = 256
 """The most candidates per row (top_k up to 255 with the one extra value the thresholds read);
 more take `torch.topk`."""
@@ -205,7 +208,7 @@ def _sort_descending(v, out, CAP: tl.constexpr, CHUNK: tl.constexpr):
 @triton.jit
 def _sort_kernel(list_ptr, stride_list, counter_ptr, x_ptr, stride_x, values_ptr, stride_values, lengths_ptr, V, k1,
                  scale_ptr, offset_ptr, top_k_ptr, top_p_ptr, threshold_ptr, CAP: tl.constexpr, BLOCK: tl.constexpr,
-                 THRESHOLDS: tl.constexpr, RANK_CHUNK: tl.constexpr = 32):
+                 THRESHOLDS: tl.constexpr, RANK_CHUNK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     idx = tl.arange(0, CAP)
     count = tl.load(counter_ptr + row)
@@ -361,6 +364,6 @@ def logits_pass(logits: torch.Tensor, out: torch.Tensor | None, penalties: Penal
     scale, offset, top_k, top_p = settings if settings is not None else (bound,) * 4
     _launch_sort((rows,), listed, listed.stride(0), counter, x, x.stride(0), found.values, found.values.stride(0),
                  found.lengths, vocab, columns, scale, offset, top_k, top_p,
-                 bound if found.threshold is None else found.threshold, cap, BLOCK, settings is not None,
+                 bound if found.threshold is None else found.threshold, cap, BLOCK, settings is not None, RANK_CHUNK,
                  device_index=index, num_warps=8, num_stages=1)
     return found
