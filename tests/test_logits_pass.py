@@ -197,28 +197,34 @@ def test_candidates_equal_torch_topk_in_the_interpreter(small_blocks):
 
 
 @triton.jit
-def _sort_rows(x_ptr, out_ptr, CAP: tl.constexpr, CHUNK: tl.constexpr):
+def _sort_rows(x_ptr, n_ptr, out_ptr, CAP: tl.constexpr, CHUNK: tl.constexpr):
     row = tl.program_id(0)
-    v = tl.load(x_ptr + row * CAP + tl.arange(0, CAP))
-    _sort_descending(v, out_ptr + row * CAP, CAP, CHUNK)
+    n = tl.load(n_ptr + row)
+    idx = tl.arange(0, CAP)
+    v = tl.load(x_ptr + row * CAP + idx, mask=idx < n, other=float("-inf"))
+    _sort_descending(v, out_ptr + row * CAP, n, CAP, CHUNK)
 
 
 def _check_rank_sort(device: str) -> None:
-    """`_sort_descending` places every value of a list (ties, -0.0 and +0.0, infinities, NaN) once,
-    largest first in the order of `_order_key`, for CAP a multiple of the chunk and not."""
+    """`_sort_descending` places each of a list's first n values (ties, -0.0 and +0.0, infinities,
+    NaN) once, largest first in the order of `_order_key`, the -inf padding after them; n from 0 to
+    CAP, CAP a multiple of the chunk and not."""
     gen = torch.Generator().manual_seed(3)
     for cap, chunk in ((128, 32), (16, 32), (64, 16)):
-        x = (torch.randint(-4, 5, (3, cap), generator=gen).float() / 2)   # ties everywhere
+        x = (torch.randint(-4, 5, (4, cap), generator=gen).float() / 2)   # ties everywhere
         x[0, :4] = torch.tensor([-0.0, 0.0, float("inf"), float("-inf")])
         x[1, :5] = torch.tensor([float("nan"), float("-inf"), float("-inf"), -0.0, 0.0])
         x[2] = torch.randn(cap, generator=gen)
+        n = torch.tensor([cap, cap // 2 + 3, 5, 0], dtype=torch.int32)
         out = torch.full_like(x, 7.0).to(device)
-        _sort_rows[(3,)](x.to(device), out, cap, chunk)
+        _sort_rows[(4,)](x.to(device), n.to(device), out, cap, chunk)
         bits = out.cpu().view(torch.int32)
         keys = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)   # _order_key
-        want = x.view(torch.int32)
-        want = torch.where(want < 0, want ^ 0x7FFFFFFF, want).sort(dim=1, descending=True).values
-        assert torch.equal(keys, want), (cap, chunk, out)
+        for row in range(4):
+            padded = torch.where(torch.arange(cap) < n[row], x[row], float("-inf"))
+            want = padded.view(torch.int32)
+            want = torch.where(want < 0, want ^ 0x7FFFFFFF, want).sort(descending=True).values
+            assert torch.equal(keys[row], want), (cap, chunk, row, out[row])
 
 
 @pytest.mark.skipif(not INTERPRET, reason="Triton on a CPU needs TRITON_INTERPRET=1")

@@ -181,28 +181,28 @@ def _compact_kernel(x_ptr, stride_x, max_ptr, stride_max, bound_ptr, counter_ptr
 
 
 @triton.jit
-def _sort_descending(v, out, CAP: tl.constexpr, CHUNK: tl.constexpr):
-    """`v` ([CAP] float32) stored to `out` (CAP floats) largest first, by rank: a value's place is
-    the number of values before it in the order of their keys (`_order_key`, descending; a tie
-    goes by position), counted over CHUNK values of `out` at a time. Why not `tl.sort`: its bitonic
-    network is unrolled over CAP values at compile time (3266 lines of PTX at CAP 256), which made
-    this kernel the start-up's longest compile; the ranks are one loop of comparisons and place
-    every value (a permutation: the keys order every float, NaN and -0.0 included). Reads `out`
-    after a barrier, so `v` may come from there."""
+def _sort_descending(v, out, n, CAP: tl.constexpr, CHUNK: tl.constexpr):
+    """`v` ([CAP] float32, -inf from position `n` on) stored to `out` (CAP floats) largest first, by
+    rank: a value's place is the number of the first n values before it in the order of their keys
+    (`_order_key`, descending; a tie goes by position), counted over CHUNK values of `out` at a
+    time; the -inf after them stay where they are. Why not `tl.sort`: its bitonic network is
+    unrolled over CAP values at compile time (3266 lines of PTX at CAP 256), which made this kernel
+    the start-up's longest compile; the ranks are one loop of comparisons over the n values a row
+    has (51-72 of CAP 256 for top-k 50), and place each of them once (the keys order every float,
+    NaN and -0.0 included). Reads `out` after a barrier, so `v` may come from there."""
     idx = tl.arange(0, CAP)
     key = _order_key(v)
     tl.debug_barrier()   # the overflow branch's reads of `out` end before it is written
     tl.store(out + idx, v)
     tl.debug_barrier()
     place = tl.zeros([CAP], dtype=tl.int32)
-    for start in range(0, CAP, CHUNK):
+    for start in range(0, n, CHUNK):
         j = start + tl.arange(0, CHUNK)
-        other = _order_key(tl.load(out + j, mask=j < CAP, other=0.0))
+        other = _order_key(tl.load(out + j, mask=j < n, other=0.0))
         before = (other[None, :] > key[:, None]) | ((other[None, :] == key[:, None]) & (j[None, :] < idx[:, None]))
-        before = before & (j[None, :] < CAP)
-        place += tl.sum(before.to(tl.int32), axis=1)
+        place += tl.sum((before & (j[None, :] < n)).to(tl.int32), axis=1)
     tl.debug_barrier()   # every rank is counted before the values move
-    tl.store(out + place, v)
+    tl.store(out + place, v, mask=idx < n)
 
 
 @triton.jit
@@ -254,7 +254,7 @@ def _sort_kernel(list_ptr, stride_list, counter_ptr, x_ptr, stride_x, values_ptr
             n += tl.sum(above.to(tl.int32), axis=0)
         tl.debug_barrier()
         v = tl.load(out + idx)
-    _sort_descending(v, out, CAP, RANK_CHUNK)
+    _sort_descending(v, out, C, CAP, RANK_CHUNK)
     tl.store(lengths_ptr + row * 2, K)
     tl.store(lengths_ptr + row * 2 + 1, C)
     if THRESHOLDS:   # the row's min-p / top-k / top-p threshold from the sorted list, in the same launch
