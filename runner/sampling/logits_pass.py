@@ -186,10 +186,11 @@ def _sort_descending(v, out, n, CAP: tl.constexpr, CHUNK: tl.constexpr):
     rank: a value's place is the number of the first n values before it in the order of their keys
     (`_order_key`, descending; a tie goes by position), counted over CHUNK values of `out` at a
     time; the -inf after them stay where they are. Why not `tl.sort`: its bitonic network is
-    unrolled over CAP values at compile time (3266 lines of PTX at CAP 256), which made this kernel
-    the start-up's longest compile; the ranks are one loop of comparisons over the n values a row
-    has (51-72 of CAP 256 for top-k 50), and place each of them once (the keys order every float,
-    NaN and -0.0 included). Reads `out` after a barrier, so `v` may come from there."""
+    unrolled over CAP values at compile time, which made this kernel the start-up's longest compile
+    (docs/PERFORMANCE.md, "The sort kernel by rank"); the ranks are one loop of comparisons over
+    the n values a row has (a few more than k: see the module docstring), and place each of them
+    once (the keys order every float, NaN and -0.0 included). Reads `out` after a barrier, so `v`
+    may come from there."""
     idx = tl.arange(0, CAP)
     key = _order_key(v)
     tl.debug_barrier()   # the overflow branch's reads of `out` end before it is written
