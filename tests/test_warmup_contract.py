@@ -199,7 +199,7 @@ def test_the_queue_pass_queues_the_models_kernels_before_the_samplers(runner_fac
     monkeypatch.setattr(runner, "_run_start_up_batches", lambda forward: order.append("model"))
     monkeypatch.setattr(runner, "queue_sampling_variants", lambda: order.append("sampler"))
     with runner.kernels_compiled_ahead():
-        pass
+        assert order == ["model", "sampler"]   # queued on entry, before the block's start-up work
     assert order == ["model", "sampler"]
 
 
