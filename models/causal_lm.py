@@ -13,8 +13,9 @@ layers; the first rank embeds, the last normalises and projects.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Iterator
 
 import torch
 from torch import nn
@@ -74,6 +75,12 @@ class DecoderModel(nn.Module):
         # Keyed by the global layer index so parameter names match the checkpoint's.
         self.layers = nn.ModuleDict({str(i): self.make_layer(spec, i, n, rotaries)
                                      for n, i in enumerate(layer_range)})
+        layer_types = getattr(spec.hf_config, "layer_types", None)
+        self.layer_kinds = [(layer_types[i] if layer_types else None, layer_sliding_window(spec, i))
+                            for i in layer_range]
+        """Per local layer, what of its own decides which kernel variants it launches: its
+        `layer_types` entry (Gemma 3's local / global rotary table) and its sliding window."""
+        self._forwarded_layers: list[nn.Module] | None = None
         if self.is_last:
             self.norm = self.norm_class(spec.hidden_size, spec.rms_norm_eps)
 
@@ -86,6 +93,32 @@ class DecoderModel(nn.Module):
                    rotaries: dict[str, RotaryEmbedding]) -> nn.Module:
         raise NotImplementedError
 
+    def one_layer_of_each_kind(self) -> list[nn.Module]:
+        """The local layers whose kernel launches differ from every other's: the first of each kind
+        (`layer_kinds`), where the slice's first layer on the first rank is a kind of its own (it
+        starts the residual stream: its input norm adds no residual). Every other layer launches
+        the same kernels with the same specialisations as the one chosen for its kind: the same
+        shapes, and its weights and KV cache at addresses aligned alike."""
+        chosen, seen = [], set()
+        for n, (layer, kind) in enumerate(zip(self.layers.values(), self.layer_kinds)):
+            key = (kind, self.is_first and n == 0)
+            if key not in seen:
+                seen.add(key)
+                chosen.append(layer)
+        return chosen
+
+    @contextmanager
+    def kinds_only(self) -> Iterator[None]:
+        """Inside the block the forward runs `one_layer_of_each_kind` instead of every layer. For
+        the start-up's compile-ahead pass (runner/graph_start_up.py), which only collects the kernel
+        variants a forward launches and discards its output: two of Qwen3-0.6B's 28 layers launch
+        all of them."""
+        self._forwarded_layers = self.one_layer_of_each_kind()
+        try:
+            yield
+        finally:
+            self._forwarded_layers = None
+
     def forward(self, input_ids, positions, intermediate: IntermediateTensors | None = None):
         if self.is_first:
             hidden, residual = self.embed_tokens(input_ids), None
@@ -94,7 +127,7 @@ class DecoderModel(nn.Module):
         for rotary in self._rotaries:
             rotary.begin_step(positions)  # cos/sin gathered once, shared by every layer
         try:
-            for layer in self.layers.values():
+            for layer in self._forwarded_layers or self.layers.values():
                 hidden, residual = layer(positions, hidden, residual)
         finally:
             for rotary in self._rotaries:

@@ -94,7 +94,8 @@ class GraphStartUp:
         """Start-up inside this block compiles its Triton kernels on compiler threads
         (launch/compile_ahead.py) instead of one at a time at their first launch.
         Entering queues the compile of every variant the profile run and the graph captures will
-        launch: the inert batches run once through the model itself (no graph wrapper), the
+        launch: the inert batches run once through the model itself (no graph wrapper; one layer
+        of each kind, `DecoderModel.kinds_only`: the other layers launch the same variants), the
         profile batch without a KV cache, each capture key in its runtime mode (so FULL's split-KV
         attention and the decode head pick the variants the capture will) against a one-block
         scratch KV cache of the real cache's layout; then, on the rank that samples, the sampler's
@@ -121,7 +122,8 @@ class GraphStartUp:
         with compile_ahead(threads) as asynchronous:
             if asynchronous:
                 with queuing_launches():   # the compiles start in this order: the model's first
-                    self._run_start_up_batches(self.model_forward)
+                    with self.model.model.kinds_only():
+                        self._run_start_up_batches(self.model_forward)
                     if self.model.model.is_last:
                         self.queue_sampling_variants()
                 self.precompile_seconds = time.perf_counter() - started

@@ -97,3 +97,36 @@ def test_start_up_compiles_every_kernel_ahead(tmp_path):
     assert compiled and not late, late
     assert not [name for name in result["serving"] if "argmax" in name], result["serving"]
     assert result["graphs"] > 60
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3", "qwen3-0.6b shape"])
+def test_one_layer_of_each_kind_queues_every_variant(tmp_path, family):
+    """The compile-ahead pass forwards one layer of each kind (`DecoderModel.kinds_only`) and must
+    queue exactly the kernel variants that forwarding every layer queues: the same launch keys
+    (kernel, its arguments' specialisation, constexprs and options) over the profile batch and
+    every capture key, for tiny checkpoints of the families whose layers differ (Gemma 2's
+    alternating window, Gemma 3's local / global tables) and Qwen3-0.6B's 28 layers."""
+    from launch import compile_ahead as ahead
+    from runner import LLM
+    from runner.benchmarks.model_shapes import write_config
+    from checkpoints import make_tiny_checkpoint
+    if family.endswith("shape"):
+        path = write_config("qwen3-0.6b", tmp_path)
+    else:
+        path, _ = make_tiny_checkpoint(tmp_path / family, family, with_tokenizer=False)
+    llm = LLM(model=str(path), load_format="dummy", dtype="bfloat16", cudagraph_mode="FULL_AND_PIECEWISE",
+              num_kv_blocks=256, max_model_len=256, cache_dir=str(tmp_path / "kernel-cache"))
+    runner = llm.engine.model_runner
+    decoder = runner.model.model
+    runner.kv_caches = None   # as at start-up: the profile batch runs without a KV cache
+    with ahead.compile_ahead(4), ahead.queuing_launches():
+        runner._run_start_up_batches(runner.model_forward)   # leaves kv_caches None
+        every = set(ahead._queued)
+        ahead._queued.clear()
+        with decoder.kinds_only():
+            runner._run_start_up_batches(runner.model_forward)
+        kinds_only = set(ahead._queued)
+    print(family, len(decoder.one_layer_of_each_kind()), "of", len(decoder.layers), "layers;",
+          len(every), "variants")
+    assert len(every) > 10 and kinds_only == every
+    llm.shutdown()

@@ -143,6 +143,36 @@ def test_gemma_layers_carry_window_soft_cap_and_scale(tmp_path):
     assert hasattr(layers[0], "q_norm") and gemma3.final_logit_softcapping is None
 
 
+@pytest.mark.parametrize("family,chosen", [("qwen3", ["0", "1"]), ("gemma2", ["0", "1", "2"]),
+                                           ("gemma3", ["0", "1", "5"]), ("phi3", ["0", "1"])])
+def test_kinds_only_forwards_one_layer_of_each_kind(tmp_path, family, chosen):
+    """The compile-ahead pass's forward (`DecoderModel.kinds_only`): the first layer (its input norm
+    starts the residual stream), then the first of each kind (layer_types entry, sliding window):
+    Gemma 2 alternates sliding / global, so its third layer is the first sliding one with a
+    residual; Gemma 3 is five local, one global. Only those layers run inside the block, every
+    layer after it."""
+    model = load_ours(make_tiny_checkpoint(tmp_path / family, family)[0])
+    ran = []
+    for name, layer in model.model.layers.items():
+        layer.register_forward_hook(lambda module, args, out, name=name: ran.append(name))
+    with model.model.kinds_only():
+        kinds_only = prefill_logits(model, _prompts())
+    assert ran == chosen
+    ran.clear()
+    every = prefill_logits(model, _prompts())
+    assert ran == list(model.model.layers)
+    assert [t.shape for t in kinds_only] == [t.shape for t in every]
+
+
+def test_a_later_pipeline_slice_has_no_first_layer_kind(tmp_path):
+    """On a later pipeline rank the slice's first layer gets the previous rank's residual: it is of
+    its kind like any other, so a slice of one kind forwards one layer."""
+    path, _ = make_tiny_checkpoint(tmp_path / "c", "qwen3")
+    spec = model_spec(load_hf_config(path))
+    last = build_model(spec, path, device=torch.device("cpu"), dtype=torch.float32, layer_range=range(1, 3))
+    assert last.model.one_layer_of_each_kind() == [last.model.layers["1"]]
+
+
 def test_family_flags_reach_the_module(tmp_path):
     qwen2 = load_ours(make_tiny_checkpoint(tmp_path / "q2", "qwen2")[0])
     qwen3 = load_ours(make_tiny_checkpoint(tmp_path / "q3", "qwen3")[0])

@@ -183,7 +183,8 @@ def test_queued_sampling_repeats_the_profile_runs_sampler_call_without_logprobs(
 
 def test_the_queue_pass_queues_the_models_kernels_before_the_samplers(runner_factory, monkeypatch):
     """The compiles start in the order they are queued: the model's (the profile run meets them
-    first; the attention kernels are the longest) before the sampler's and the argmax's."""
+    first; the attention kernels are the longest) before the sampler's and the argmax's. The
+    model's batches run through one layer of each kind (`DecoderModel.kinds_only`)."""
     from contextlib import contextmanager, nullcontext
     from runner import graph_start_up
     runner, _ = runner_factory("FULL_AND_PIECEWISE")
@@ -196,11 +197,17 @@ def test_the_queue_pass_queues_the_models_kernels_before_the_samplers(runner_fac
     monkeypatch.setattr(graph_start_up, "compile_ahead", compile_ahead)
     monkeypatch.setattr(graph_start_up, "queuing_launches", nullcontext)
     monkeypatch.setattr(runner, "_compiles_ahead", lambda: True)
-    monkeypatch.setattr(runner, "_run_start_up_batches", lambda forward: order.append("model"))
+    decoder = runner.model.model
+    kinds = decoder.one_layer_of_each_kind()
+
+    def start_up_batches(forward):
+        assert decoder._forwarded_layers == kinds
+        order.append("model")
+    monkeypatch.setattr(runner, "_run_start_up_batches", start_up_batches)
     monkeypatch.setattr(runner, "queue_sampling_variants", lambda: order.append("sampler"))
     with runner.kernels_compiled_ahead():
         assert order == ["model", "sampler"]   # queued on entry, before the block's start-up work
-    assert order == ["model", "sampler"]
+    assert order == ["model", "sampler"] and decoder._forwarded_layers is None
 
 
 def test_a_start_up_with_graphs_leaves_a_record_the_next_one_finds(runner_factory, monkeypatch, tmp_path):
