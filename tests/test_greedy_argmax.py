@@ -1,7 +1,6 @@
 """runner/greedy.py: the GPU argmax equals torch's argmax (first maximum), run here in Triton's
 interpreter with several chunk counts; the GPU run is in tests/test_triton_gpu.py."""
 
-import inspect
 import os
 
 import pytest
@@ -119,21 +118,10 @@ def test_every_row_count_launches_the_same_variants(monkeypatch):
     row count: the scratch's halves stay 16-byte aligned, pass 2 takes a fixed width and does not
     specialise the chunk count, and every chunk is whole BLOCKs. So the one row `queue_variants`
     launches compiles what every row count up to a serving batch will launch."""
-    from launch.specialisation import CONSTEXPR, PLAIN, SPECIALISED, param_kinds, specialisation
+    from launch_keys import RecordingLaunch
     keys = {}
-
-    class Recording:
-        def __init__(self, fn, name):   # param_kinds reads a compiled JITFunction; the interpreter's, here
-            self.name, self.kinds = name, param_kinds(fn) or tuple(
-                CONSTEXPR if "constexpr" in str(p.annotation)
-                else PLAIN if p.name in (fn.kwargs.get("do_not_specialize") or ()) else SPECIALISED
-                for p in inspect.signature(fn.fn).parameters.values())
-
-        def __call__(self, grid, *args, **options):
-            keys.setdefault(self.name, set()).add(tuple(specialisation(args, self.kinds)))
-
-    monkeypatch.setattr(greedy, "_chunks_launch", Recording(greedy._argmax_chunks_kernel, "chunks"))
-    monkeypatch.setattr(greedy, "_rows_launch", Recording(greedy._argmax_rows_kernel, "rows"))
+    monkeypatch.setattr(greedy, "_chunks_launch", RecordingLaunch(greedy._argmax_chunks_kernel, "chunks", keys))
+    monkeypatch.setattr(greedy, "_rows_launch", RecordingLaunch(greedy._argmax_rows_kernel, "rows", keys))
     vocab = 128256
     storage = torch.empty(300 * vocab, dtype=torch.bfloat16)
     for rows in range(1, 301):

@@ -297,3 +297,22 @@ def test_logits_pass_on_the_gpu(kernel_switches):
         assert int(row.sum()) == 3 and all(int(row[token]) >= 1 for token in (d[i] for d in drawn))
         flags = stage.states.seen[stage.states.slots[req.request_id]].cpu()
         assert torch.equal((flags & 2) != 0, row > 0)
+
+
+def test_every_top_k_of_a_list_capacity_launches_the_same_variants(monkeypatch):
+    """What Triton specialises the candidates' launches on (launch/specialisation.py) follows the
+    list capacity and the sub-block, not the top-k itself: k + 1 is `do_not_specialize` in the
+    bound and sort kernels (a k + 1 divisible by 16, as top-k 15, 31 or 47 give, would otherwise
+    compile a variant of its own at its first step)."""
+    from launch_keys import RecordingLaunch
+    from runner.sampling import logits_pass as lp
+    keys = {}
+    for name in ("pass", "bound", "compact", "sort"):
+        monkeypatch.setattr(lp, f"_launch_{name}", RecordingLaunch(getattr(lp, f"_{name}_kernel"), name, keys))
+    rows, vocab = 3, 151936
+    logits = torch.zeros(rows, vocab, dtype=torch.bfloat16)
+    settings = tuple(torch.zeros(rows) for _ in range(4))
+    for top_k in range(1, 32):   # one list capacity (128) and one sub-block at this vocabulary
+        assert lp.list_capacity(top_k + 1) == 128 and lp.sub_block(vocab, top_k + 1) == lp.MAX_SUB_BLOCK
+        lp.logits_pass(logits, None, None, top_k + 1, settings=settings, workspace={})
+    assert {name: len(found) for name, found in keys.items()} == {"pass": 1, "bound": 1, "compact": 1, "sort": 1}

@@ -153,7 +153,7 @@ def _kth_key(keys, k):
     return lo.to(tl.int32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["k1"])   # k + 1 is only compared with: one variant for every top-k
 def _bound_kernel(max_ptr, stride_max, num, bound_ptr, counter_ptr, k1, NB: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     idx = tl.arange(0, NB)
@@ -206,7 +206,7 @@ def _sort_descending(v, out, n, CAP: tl.constexpr, CHUNK: tl.constexpr):
     tl.store(out + place, v, mask=idx < n)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["k1"])
 def _sort_kernel(list_ptr, stride_list, counter_ptr, x_ptr, stride_x, values_ptr, stride_values, lengths_ptr, V, k1,
                  scale_ptr, offset_ptr, top_k_ptr, top_p_ptr, threshold_ptr, CAP: tl.constexpr, BLOCK: tl.constexpr,
                  THRESHOLDS: tl.constexpr, RANK_CHUNK: tl.constexpr):
