@@ -114,19 +114,18 @@ def test_one_layer_of_each_kind_queues_every_variant(tmp_path, family):
         path = write_config("qwen3-0.6b", tmp_path)
     else:
         path, _ = make_tiny_checkpoint(tmp_path / family, family, with_tokenizer=False)
-    llm = LLM(model=str(path), load_format="dummy", dtype="bfloat16", cudagraph_mode="FULL_AND_PIECEWISE",
-              num_kv_blocks=256, max_model_len=256, cache_dir=str(tmp_path / "kernel-cache"))
-    runner = llm.engine.model_runner
-    decoder = runner.model.model
-    runner.kv_caches = None   # as at start-up: the profile batch runs without a KV cache
-    with ahead.compile_ahead(4), ahead.queuing_launches():
-        runner._run_start_up_batches(runner.model_forward)   # leaves kv_caches None
-        every = set(ahead._queued)
-        ahead._queued.clear()
-        with decoder.kinds_only():
-            runner._run_start_up_batches(runner.model_forward)
-        kinds_only = set(ahead._queued)
+    with LLM(model=str(path), load_format="dummy", dtype="bfloat16", cudagraph_mode="FULL_AND_PIECEWISE",
+             num_kv_blocks=256, max_model_len=256, cache_dir=str(tmp_path / "kernel-cache")) as llm:
+        runner = llm.engine.model_runner
+        decoder = runner.model.model
+        runner.kv_caches = None   # as at start-up: the profile batch runs without a KV cache
+        with ahead.compile_ahead(4), ahead.queuing_launches():
+            runner._run_start_up_batches(runner.model_forward)   # leaves kv_caches None
+            every = set(ahead._queued)
+            ahead._queued.clear()
+            with decoder.kinds_only():
+                runner._run_start_up_batches(runner.model_forward)
+            kinds_only = set(ahead._queued)
     print(family, len(decoder.one_layer_of_each_kind()), "of", len(decoder.layers), "layers;",
           len(every), "variants")
     assert len(every) > 10 and kinds_only == every
-    llm.shutdown()
