@@ -95,13 +95,13 @@ class DecoderModel(nn.Module):
 
     def one_layer_of_each_kind(self) -> list[nn.Module]:
         """The local layers whose kernel launches differ from every other's: the first of each kind
-        (`layer_kinds`), where the slice's first layer on the first rank is a kind of its own (it
-        starts the residual stream: its input norm adds no residual). Every other layer launches
-        the same kernels with the same specialisations as the one chosen for its kind: the same
-        shapes, and its weights and KV cache at addresses aligned alike."""
+        (its class and `layer_kinds`), where the slice's first layer on the first rank is a kind of
+        its own (it starts the residual stream: its input norm adds no residual). Every other layer
+        launches the same kernels with the same specialisations as the one chosen for its kind: the
+        same shapes, and its weights and KV cache at addresses aligned alike."""
         chosen, seen = [], set()
         for n, (layer, kind) in enumerate(zip(self.layers.values(), self.layer_kinds)):
-            key = (kind, self.is_first and n == 0)
+            key = (type(layer), kind, self.is_first and n == 0)
             if key not in seen:
                 seen.add(key)
                 chosen.append(layer)
