@@ -48,6 +48,21 @@ def _check_seeds(device: str):
     assert c[2] == d[2]
     alone = race(x[2:3], temp[:1], None, row_seeds(1, {0: make_generator(9, dev)}, dev)).tolist()
     assert alone == [a[2]]   # the row's own seed and logits only
+    # The step's one seed s draws what the per-row seeds s + row draw (one variant serves both).
+    assert race(x, temp, None, 12345).tolist() == race(x, temp, None, torch.arange(6, device=dev) + 12345).tolist()
+
+
+def test_seeded_and_unseeded_draws_launch_one_variant(monkeypatch):
+    """Per-row seeds (a step with seeded requests) are a runtime branch of the race kernel, not a
+    constexpr: a seeded request does not compile a variant of its own at its first step."""
+    from launch_keys import RecordingLaunch
+    from runner.sampling import race_kernel
+    keys = {}
+    monkeypatch.setattr(race_kernel, "_launch", RecordingLaunch(race_kernel._race_kernel, "race", keys))
+    x, temp = torch.zeros(3, 4096), torch.ones(3, 1)
+    race_kernel.race(x, temp, None, 7)
+    race_kernel.race(x, temp, None, torch.tensor([1, 2, 3]))
+    assert len(keys["race"]) == 1
 
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

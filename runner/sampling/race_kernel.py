@@ -76,10 +76,10 @@ def _score(x, scale, u, FAST: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["base_seed", "blocks_per_split"])
-def _race_kernel(x_ptr, stride_x, temp_ptr, threshold_ptr, seed_ptr, base_seed, out_ptr, list_ptr, ids_ptr,
+def _race_kernel(x_ptr, stride_x, temp_ptr, threshold_ptr, seed_ptr, seeded, base_seed, out_ptr, list_ptr, ids_ptr,
                  stride_list, count_ptr, bound_ptr, slots_ptr, counts_ptr, stride_counts, seen_ptr, V, CAP,
                  blocks_per_split, part_score_ptr, part_idx_ptr, ticket_ptr,
-                 BLOCK: tl.constexpr, LISTS: tl.constexpr, LIST_BLOCK: tl.constexpr, SEEDS: tl.constexpr,
+                 BLOCK: tl.constexpr, LISTS: tl.constexpr, LIST_BLOCK: tl.constexpr,
                  RECORD: tl.constexpr, SPLITS_PAD: tl.constexpr, FAST: tl.constexpr):
     """Program (row, split): the race over the split's `blocks_per_split` blocks of the row. With
     one split per row it stores the token; with several each stores its best (score, first index)
@@ -91,10 +91,11 @@ def _race_kernel(x_ptr, stride_x, temp_ptr, threshold_ptr, seed_ptr, base_seed, 
     base = x_ptr + row.to(tl.int64) * stride_x
     scale = LOG2E / tl.load(temp_ptr + row)
     threshold = tl.load(threshold_ptr + row)
-    if SEEDS:   # a seed per row (rows of seeded requests from their own generators)
+    # `seeded` (a bool: a runtime branch, so seeded and unseeded steps share one compiled variant):
+    # a seed per row, from the rows' own generators; else the step's seed, one per row from it.
+    seed = base_seed.to(tl.int64) + row
+    if seeded:
         seed = tl.load(seed_ptr + row)
-    else:       # the step's seed, one per row from it
-        seed = base_seed + row
     QUARTER: tl.constexpr = BLOCK // 4
     tile = 4 * tl.arange(0, QUARTER)[:, None] + tl.arange(0, 4)[None, :]   # [QUARTER, 4]: the block's tokens
     best = tl.full([QUARTER, 4], float("-inf"), dtype=tl.float32)
@@ -247,10 +248,10 @@ def race(logits: torch.Tensor, temperature: torch.Tensor, threshold: torch.Tenso
     splits, per_split = _splits(rows, vocab, logits.device)
     scores, firsts, tickets = _split_scratch(logits.device, rows, splits)   # typed alike for one split: one variant
     _launch((rows, splits), logits, logits.stride(0), temperature.reshape(-1).float(), threshold.reshape(-1).float(),
-            seeds if seed_tensor else out, 0 if seed_tensor else seeds, out, out if c is None else c.listed,
+            seeds if seed_tensor else out, seed_tensor, 0 if seed_tensor else seeds, out, out if c is None else c.listed,
             out if c is None else c.listed_ids, 0 if c is None else c.listed.stride(0),
             out if c is None else c.count, out if c is None else c.bound, slots, counts,
             0 if record is None else counts.stride(0), seen, vocab, cap, per_split, scores, firsts, tickets,
-            BLOCK, c is not None, triton.next_power_of_2(cap), seed_tensor, record is not None, MAX_SPLITS,
+            BLOCK, c is not None, triton.next_power_of_2(cap), record is not None, MAX_SPLITS,
             logits.is_cuda, device_index=logits.device.index or 0, num_warps=8)
     return out
