@@ -91,7 +91,10 @@ class DecoderModel(nn.Module):
 
     def make_layer(self, spec: ModelSpec, layer_index: int, cache_index: int,
                    rotaries: dict[str, RotaryEmbedding]) -> nn.Module:
-        raise NotImplementedError
+        """Layer `layer_index` of the model (`cache_index`: its KV cache among this slice's). Each
+        family's DecoderModel builds its own (models/llama.py, gemma2.py, gemma3.py; Phi-3 takes Llama's)."""
+        raise NotImplementedError(f"{type(self).__name__} does not build its layers: a family's DecoderModel "
+                                  "subclass defines make_layer")
 
     def one_layer_of_each_kind(self) -> list[nn.Module]:
         """The local layers whose kernel launches differ from every other's: the first of each kind
