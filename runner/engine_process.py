@@ -89,11 +89,12 @@ def run_engine_process(config: EngineConfig, commands: Connection, outputs: Conn
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops us
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s [engine]: %(message)s")
     from runner.engine import LLMEngine
-    from runner.engine_core import warm_up
+    from runner.engine_core import quiet_garbage_collector, warm_up
     try:
         engine = LLMEngine(config)
         warm_up(engine)
         engine.wire_outputs = True   # its outputs only cross the pipe: no RequestOutput to build
+        quiet_garbage_collector()    # no full collection of the whole heap while serving
     except BaseException as error:  # noqa: BLE001 - reported to the server, which refuses to start
         logger.exception("the engine failed to start")
         outputs.send(("failed", f"{type(error).__name__}: {error}"))

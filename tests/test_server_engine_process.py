@@ -179,3 +179,49 @@ def test_event_loop_choice(monkeypatch):
     assert event_loop_runner("auto") is asyncio.run
     with pytest.raises(RuntimeError, match="--loop uvloop: uvloop is not installed"):
         event_loop_runner("uvloop")
+
+
+def test_the_engine_process_freezes_its_heap_after_warm_up_and_before_it_reports_ready(monkeypatch):
+    """run_engine_process, with the engine and its warm-up faked: the order is build, warm up,
+    quiet the collector (gc.freeze: no full collection of the start-up heap stalls a step), then
+    "ready" on the outputs pipe; a "stop" command ends the loop and shuts the engine down."""
+    import multiprocessing
+    import signal
+    from types import SimpleNamespace
+
+    import runner.engine
+    import runner.engine_core
+    from runner import engine_process
+    events = []
+
+    class FakeEngine:
+        max_model_len, model_path = 128, "fake"
+        spec = SimpleNamespace(vocab_size=10, architecture="Fake")
+        device = "cpu"
+        executor = SimpleNamespace(num_blocks=4)
+        model_runner = SimpleNamespace(cuda_graph_ready=False, cudagraph_mode=SimpleNamespace(name="NONE"))
+        scheduler = SimpleNamespace(stats=lambda: {})
+
+        def __init__(self, config):
+            events.append("built")
+
+        def has_unfinished_requests(self):
+            return False
+
+        def shutdown(self):
+            events.append("shut down")
+
+    monkeypatch.setattr(runner.engine, "LLMEngine", FakeEngine)
+    monkeypatch.setattr(runner.engine_core, "warm_up", lambda engine: events.append("warmed up"))
+    monkeypatch.setattr(runner.engine_core, "quiet_garbage_collector", lambda: events.append("collector quieted"))
+    commands_out, commands_in = multiprocessing.Pipe(duplex=False)
+    outputs_out, outputs_in = multiprocessing.Pipe(duplex=False)
+    commands_in.send([("stop", None)])
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        engine_process.run_engine_process(None, commands_out, outputs_in, 30)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    ready = outputs_out.recv()
+    assert ready[0] == "ready" and ready[1]["architecture"] == "Fake"
+    assert events == ["built", "warmed up", "collector quieted", "shut down"]

@@ -14,7 +14,7 @@ import time
 
 from configs import EngineConfig, ServerConfig
 from runner.engine_args import add_engine_args, engine_kwargs
-from runner.engine_core import warm_up
+from runner.engine_core import quiet_garbage_collector, warm_up
 
 logger = logging.getLogger("runner.server")
 
@@ -53,30 +53,12 @@ def event_loop_runner(loop: str):
     return uvloop.run
 
 
-GC_THRESHOLD = (50_000, 20, 100)
-"""The serving process's collector thresholds (Python's default: 700, 10, 10)."""
-
-
-def quiet_garbage_collector() -> None:
-    """Once start-up is done: move everything alive now (modules, the tokenizer, the app) out of
-    the collector's reach (`gc.freeze`), and collect the young generation every 50,000 allocations
-    instead of 700. Each streamed token allocates a handful of short-lived objects (its output,
-    chunk and ASGI message), so at 256 streams the default thresholds run a collection every few
-    steps; with these the API process spent 13% less CPU per token (docs/PERFORMANCE.md, Serving:
-    0.0676 against 0.0775 ms, medians of three interleaved pairs on a CPU). Reference cycles are
-    still collected, just in larger batches."""
-    import gc
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLD)
-
-
 def import_streaming_backend() -> None:
     """Starlette runs every streamed response in an anyio task group, and anyio imports its asyncio
     backend on first use: without this, inside the first streamed responses, while they wait
     (py-spy of the API process under `graphrunner bench serve` put a tenth of its samples in that
     import, on a host whose packages carry no bytecode). A throwaway anyio run imports it at
-    start-up, before the heap is frozen (`quiet_garbage_collector`)."""
+    start-up, before the heap is frozen (runner/engine_core.quiet_garbage_collector)."""
     import anyio
     anyio.run(anyio.sleep, 0)
 
