@@ -20,6 +20,7 @@ from configs import EngineConfig, RequestOutputKind, SamplingParams
 from configs.sampling_params import SEED_MAX, truncate_prompt
 from models.config_json import ConfigFileError
 from models.hf_config import load_hf_config, model_spec, resolve_max_model_len
+from runner.collector import frozen_start_up_heap
 from runner.detokenizer import IncrementalDetokenizer
 from runner.outputs import CompletionOutput, PendingOutput, RequestMetrics, RequestOutput
 from runner.platform import resolve_device, resolve_dtype
@@ -103,25 +104,26 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
         self.config = config
-        path = resolve_model_path(config.model.model)
-        self.model_path = path
-        hf_config = load_hf_config(path)
-        self.spec = model_spec(hf_config)
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.model.dtype, self.spec, self.device)
-        self.max_model_len = resolve_max_model_len(self.spec, config.model.max_model_len)
-        self.async_scheduling = config.resolve_async_scheduling(self.device.type)
-        """Launch step n+1 before waiting for step n's tokens (see `_step_async`). EngineConfig refuses
-        it with pipeline parallelism, and auto resolves to off there."""
-        self.tokenizer = load_tokenizer(config.model.tokenizer or path)
-        self.executor = self._make_executor(path)
-        try:
-            self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks, self.max_model_len,
-                                       eos_token_ids(path, self.spec, self.tokenizer),
-                                       async_scheduling=self.async_scheduling)
-        except BaseException:
-            self.executor.shutdown()  # e.g. too few KV blocks: release the worker processes at once
-            raise
+        with frozen_start_up_heap():   # its collections walk only what it allocates (runner/collector.py)
+            path = resolve_model_path(config.model.model)
+            self.model_path = path
+            hf_config = load_hf_config(path)
+            self.spec = model_spec(hf_config)
+            self.device = resolve_device(config.device)
+            self.dtype = resolve_dtype(config.model.dtype, self.spec, self.device)
+            self.max_model_len = resolve_max_model_len(self.spec, config.model.max_model_len)
+            self.async_scheduling = config.resolve_async_scheduling(self.device.type)
+            """Launch step n+1 before waiting for step n's tokens (see `_step_async`). EngineConfig refuses
+            it with pipeline parallelism, and auto resolves to off there."""
+            self.tokenizer = load_tokenizer(config.model.tokenizer or path)
+            self.executor = self._make_executor(path)
+            try:
+                self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks, self.max_model_len,
+                                           eos_token_ids(path, self.spec, self.tokenizer),
+                                           async_scheduling=self.async_scheduling)
+            except BaseException:
+                self.executor.shutdown()  # e.g. too few KV blocks: release the worker processes at once
+                raise
         self.start_up_total_seconds = time.perf_counter() - started
         logger.info("engine ready in %.2f s: %s; %s on %s, %d KV blocks", self.start_up_total_seconds,
                     self.model_runner.start_up_times.line(self.start_up_total_seconds), self.spec.architecture,

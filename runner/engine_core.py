@@ -108,33 +108,6 @@ class EngineCoreLoop:
             self.dead_error = error
 
 
-GC_THRESHOLD = (50_000, 20, 100)
-"""A serving process's collector thresholds (Python's default: 700, 10, 10)."""
-
-
-def quiet_garbage_collector() -> None:
-    """Once a serving process has started (the API process, and the engine process after its
-    warm-up): move everything alive now (modules, the model's Python objects, the tokenizer, the
-    app) out of the collector's reach (`gc.freeze`), and collect the young generation every 50,000
-    allocations instead of 700. Reference cycles are still collected, in larger batches.
-
-    Why, in the engine process: each step's DELTA outputs allocate a few containers per stream
-    (tuples, lists of token ids), some of which live until the step is sent, so the old generation
-    grows and Python runs full collections; a full collection walks every object the process holds
-    (torch, transformers, the model) and took 0.24-0.33 s on an H200's host, a stall of every
-    stream. Frozen, a full collection walks only what serving allocated. With `graphrunner bench
-    serve --engine-process --offline --num-prompts 256 --input-len 256 --output-len 1024`
-    (Llama-3.2-1B shape, H200), the engine process ran two such collections within a 5 s run
-    without it; server / offline 0.945 / 0.934 with it against 0.824 / 0.807 without, alternating
-    (docs/PERFORMANCE.md, Serving). In the API process each streamed token allocates its output,
-    chunk and ASGI message: 13% less CPU per token there (0.0676 against 0.0775 ms, medians of
-    three interleaved pairs on a CPU)."""
-    import gc
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*GC_THRESHOLD)
-
-
 def warm_up(engine: LLMEngine) -> None:
     """One short request through the engine before the server opens its socket, so the first client
     does not pay for lazily built kernels and first-touch allocations; its prefix-cache entries

@@ -89,7 +89,8 @@ def run_engine_process(config: EngineConfig, commands: Connection, outputs: Conn
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops us
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s [engine]: %(message)s")
     from runner.engine import LLMEngine
-    from runner.engine_core import quiet_garbage_collector, warm_up
+    from runner.collector import quiet_garbage_collector
+    from runner.engine_core import warm_up
     try:
         engine = LLMEngine(config)
         warm_up(engine)

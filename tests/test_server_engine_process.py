@@ -189,6 +189,7 @@ def test_the_engine_process_freezes_its_heap_after_warm_up_and_before_it_reports
     import signal
     from types import SimpleNamespace
 
+    import runner.collector
     import runner.engine
     import runner.engine_core
     from runner import engine_process
@@ -213,7 +214,7 @@ def test_the_engine_process_freezes_its_heap_after_warm_up_and_before_it_reports
 
     monkeypatch.setattr(runner.engine, "LLMEngine", FakeEngine)
     monkeypatch.setattr(runner.engine_core, "warm_up", lambda engine: events.append("warmed up"))
-    monkeypatch.setattr(runner.engine_core, "quiet_garbage_collector", lambda: events.append("collector quieted"))
+    monkeypatch.setattr(runner.collector, "quiet_garbage_collector", lambda: events.append("collector quieted"))
     commands_out, commands_in = multiprocessing.Pipe(duplex=False)
     outputs_out, outputs_in = multiprocessing.Pipe(duplex=False)
     commands_in.send([("stop", None)])

@@ -153,7 +153,7 @@ def test_text_chunk_template_is_byte_for_byte_json_dumps(text, with_ids):
 def test_the_serving_process_freezes_its_start_up_heap_and_collects_in_larger_batches():
     import gc
 
-    from runner.engine_core import GC_THRESHOLD, quiet_garbage_collector
+    from runner.collector import GC_THRESHOLD, quiet_garbage_collector
     before = gc.get_threshold()
     try:
         quiet_garbage_collector()

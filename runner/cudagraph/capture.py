@@ -37,9 +37,12 @@ class CapturePhase:
     def capturing(self) -> Iterator["CapturePhase"]:
         """Allow capture. gc is collected once, then frozen: hundreds of captures allocate many
         Python objects, and a collection pass over the model's objects in every capture is what
-        makes capture slow. Synchronizes on both ends so timing and memory readings are real."""
+        makes capture slow. A heap that was frozen already (an engine's start-up freezes it:
+        runner/collector.py) stays frozen afterwards; else it is unfrozen. Synchronizes on both
+        ends so timing and memory readings are real."""
         if self.active:
             raise RuntimeError("the capture phase is already active")
+        was_frozen = gc.get_freeze_count() > 0
         gc.collect()
         gc.freeze()
         if _cuda_in_use():
@@ -49,7 +52,8 @@ class CapturePhase:
             yield self
         finally:
             self.active = False
-            gc.unfreeze()
+            if not was_frozen:
+                gc.unfreeze()
             if _cuda_in_use():
                 torch.cuda.synchronize()
 

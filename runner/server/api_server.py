@@ -14,7 +14,8 @@ import time
 
 from configs import EngineConfig, ServerConfig
 from runner.engine_args import add_engine_args, engine_kwargs
-from runner.engine_core import quiet_garbage_collector, warm_up
+from runner.collector import quiet_garbage_collector
+from runner.engine_core import warm_up
 
 logger = logging.getLogger("runner.server")
 
@@ -58,7 +59,7 @@ def import_streaming_backend() -> None:
     backend on first use: without this, inside the first streamed responses, while they wait
     (py-spy of the API process under `graphrunner bench serve` put a tenth of its samples in that
     import, on a host whose packages carry no bytecode). A throwaway anyio run imports it at
-    start-up, before the heap is frozen (runner/engine_core.quiet_garbage_collector)."""
+    start-up, before the heap is frozen (runner/collector.quiet_garbage_collector)."""
     import anyio
     anyio.run(anyio.sleep, 0)
 

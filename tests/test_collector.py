@@ -1,0 +1,85 @@
+"""The garbage collector's rules in an engine process (runner/collector.py): the start-up freezes
+what was alive before it, so its collections walk only what it allocates; it collects its own
+garbage and freezes what it built; an engine's shutdown unfreezes the heap; the capture phase keeps
+a heap frozen that was frozen before it."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+from checkpoints import make_tiny_checkpoint
+
+from runner.collector import frozen_start_up_heap
+
+
+class Node:
+    pass
+
+
+def _in_a_generation(obj) -> bool:
+    """Whether the collector still walks `obj` (frozen objects are in no generation's list)."""
+    return any(any(o is obj for o in gc.get_objects(generation)) for generation in range(3))
+
+
+@pytest.fixture(autouse=True)
+def unfrozen():
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
+
+
+def test_the_start_up_walks_only_what_it_allocates_and_leaves_its_garbage_collected():
+    before = Node()
+    assert _in_a_generation(before)
+    with frozen_start_up_heap():
+        assert not _in_a_generation(before)          # frozen: no collection inside walks it
+        built = Node()
+        garbage = Node()
+        garbage.cycle = garbage                       # only the collector frees a cycle
+        gone = weakref.ref(garbage)
+        del garbage
+        assert _in_a_generation(built)
+    assert gone() is None                             # collected at the end of the start-up
+    assert not _in_a_generation(built)                # what it built is frozen with the rest
+
+
+def test_a_failed_start_up_leaves_the_heap_unfrozen():
+    before = Node()
+    with pytest.raises(RuntimeError):
+        with frozen_start_up_heap():
+            raise RuntimeError("no KV blocks")
+    assert gc.get_freeze_count() == 0 and _in_a_generation(before)
+
+
+@pytest.mark.parametrize("frozen_before", [False, True])
+def test_the_capture_phase_keeps_a_frozen_heap_frozen(frozen_before):
+    from runner.cudagraph.capture import CapturePhase
+    if frozen_before:
+        gc.freeze()
+    made_before = Node()
+    with CapturePhase().capturing():
+        assert not _in_a_generation(made_before)
+    assert _in_a_generation(made_before) is not frozen_before
+
+
+def test_an_engine_freezes_the_heap_at_its_start_up_and_unfreezes_it_at_its_shutdown(tmp_path, monkeypatch):
+    import runner.engine as engine_module
+    from configs import EngineConfig
+    path, _ = make_tiny_checkpoint(tmp_path / "llama", "llama_gqa")
+    before = Node()
+    seen = []
+    real_load_tokenizer = engine_module.load_tokenizer
+
+    def load_tokenizer(*args):
+        seen.append(_in_a_generation(before))
+        return real_load_tokenizer(*args)
+
+    monkeypatch.setattr(engine_module, "load_tokenizer", load_tokenizer)
+    engine = engine_module.LLMEngine(EngineConfig.from_kwargs(model=str(path), dtype="float32", device="cpu",
+                                                              num_kv_blocks=64))
+    assert seen == [False]                            # frozen while the engine started
+    assert gc.get_freeze_count() > 0 and not _in_a_generation(engine.model_runner)
+    engine.shutdown()
+    assert gc.get_freeze_count() == 0 and _in_a_generation(before)
