@@ -19,7 +19,9 @@ class Node:
 
 
 def _in_a_generation(obj) -> bool:
-    """Whether the collector still walks `obj` (frozen objects are in no generation's list)."""
+    """Whether the collector still walks `obj` (frozen objects are in no generation's list). Not
+    `gc.get_freeze_count() == 0`: Python 3.12's full collections leave a few hundred objects of
+    their own in the permanent generation even after `gc.unfreeze()`."""
     return any(any(o is obj for o in gc.get_objects(generation)) for generation in range(3))
 
 
@@ -50,7 +52,7 @@ def test_a_failed_start_up_leaves_the_heap_unfrozen():
     with pytest.raises(RuntimeError):
         with frozen_start_up_heap():
             raise RuntimeError("no KV blocks")
-    assert gc.get_freeze_count() == 0 and _in_a_generation(before)
+    assert _in_a_generation(before)                   # unfrozen
 
 
 @pytest.mark.parametrize("frozen_before", [False, True])
@@ -82,4 +84,5 @@ def test_an_engine_freezes_the_heap_at_its_start_up_and_unfreezes_it_at_its_shut
     assert seen == [False]                            # frozen while the engine started
     assert gc.get_freeze_count() > 0 and not _in_a_generation(engine.model_runner)
     engine.shutdown()
-    assert gc.get_freeze_count() == 0 and _in_a_generation(before)
+    assert _in_a_generation(before)                   # unfrozen
+
