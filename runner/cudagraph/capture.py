@@ -38,7 +38,10 @@ class CapturePhase:
         """Allow capture. gc is collected once, then frozen: hundreds of captures allocate many
         Python objects, and a collection pass over the model's objects in every capture is what
         makes capture slow. A heap that was frozen already (an engine's start-up freezes it:
-        runner/collector.py) stays frozen afterwards; else it is unfrozen. Synchronizes on both
+        runner/collector.py) stays frozen afterwards; else it is unfrozen. (On Python 3.12 a full
+        collection after an unfreeze leaves a few hundred objects of its own frozen, which reads as
+        frozen here: the heap then stays frozen until the engine's shutdown unfreezes it, so a
+        reference cycle of that time is freed then rather than earlier.) Synchronizes on both
         ends so timing and memory readings are real."""
         if self.active:
             raise RuntimeError("the capture phase is already active")
