@@ -11,9 +11,9 @@ caches on an H100 (docs/PERFORMANCE.md, "GPU: LLM to ready"). Serving triggers t
 The rules, all built on `gc.freeze` (frozen objects are never walked):
 - start-up (`frozen_start_up_heap`, around LLMEngine's start-up and each worker rank's): what is
   alive when it begins is frozen, so its collections walk only what it allocates; at its end its
-  garbage is collected and what it built is frozen too. The heap stays frozen while the engine
-  lives, as vLLM freezes its heap after start-up; shutting the engine down unfreezes it
-  (ModelRunner.release_cuda_graphs).
+  garbage is collected and the heap unfrozen. Not left frozen: whatever of an engine dropped
+  without `shutdown()` sits in reference cycles would then never be collected, with the device
+  memory it holds.
 - capture (runner/cudagraph/capture.CapturePhase.capturing): collects and freezes before the
   captures, since a collection inside one would walk the model's objects every time.
 - serving (`quiet_garbage_collector`): after warm-up the young generation is collected every
@@ -31,18 +31,16 @@ from typing import Iterator
 def frozen_start_up_heap() -> Iterator[None]:
     """Around an engine's start-up: freeze what is alive now (modules, the caller's objects; a
     collection of the young generations first, not a full one, which would cost the walk this
-    avoids), so that every collection inside walks only what the start-up allocates. On success
-    the start-up's garbage is collected and everything frozen; on an error the heap is unfrozen
-    (no engine lives to unfreeze it at its shutdown)."""
+    avoids), so that every collection inside walks only what the start-up allocates. At its end
+    (an error included) the start-up's garbage is collected, still a walk of its own objects
+    only, and the heap unfrozen."""
     gc.collect(1)
     gc.freeze()
     try:
         yield
-    except BaseException:
+    finally:
+        gc.collect()
         gc.unfreeze()
-        raise
-    gc.collect()
-    gc.freeze()
 
 
 GC_THRESHOLD = (50_000, 20, 100)
