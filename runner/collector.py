@@ -9,15 +9,15 @@ caches on an H100 (docs/PERFORMANCE.md, "GPU: LLM to ready"). Serving triggers t
 (`quiet_garbage_collector`).
 
 The rules, all built on `gc.freeze` (frozen objects are never walked):
-- start-up (`frozen_start_up_heap`, around LLMEngine's start-up and each worker rank's): what is
-  alive when it begins is frozen, so its collections walk only what it allocates; at its end its
-  garbage is collected and the heap unfrozen. Not left frozen: whatever of an engine dropped
-  without `shutdown()` sits in reference cycles would then never be collected, with the device
-  memory it holds.
-- capture (runner/cudagraph/capture.CapturePhase.capturing): collects and freezes before the
-  captures, since a collection inside one would walk the model's objects every time.
-- serving (`quiet_garbage_collector`): after warm-up the young generation is collected every
-  50,000 allocations instead of 700.
+- `frozen_heap`, around LLMEngine's start-up, each worker rank's, and the capture phase
+  (runner/cudagraph/capture.CapturePhase.capturing) inside them: what is alive when a block begins
+  is frozen, so the collections inside walk only what it allocates since (inside the capture
+  phase, only what the captures allocate: a collection in every capture would otherwise walk the
+  model's objects each time). At the end of the outermost block its garbage is collected and the
+  heap unfrozen. Not left frozen: whatever of an engine dropped without `shutdown()` sits in
+  reference cycles would then never be collected, with the device memory it holds.
+- serving (`quiet_garbage_collector`): after warm-up the heap is frozen for good and the young
+  generation is collected every 50,000 allocations instead of 700.
 """
 
 from __future__ import annotations
@@ -27,20 +27,28 @@ from contextlib import contextmanager
 from typing import Iterator
 
 
+_depth = 0
+"""`frozen_heap` blocks open in this process."""
+
+
 @contextmanager
-def frozen_start_up_heap() -> Iterator[None]:
-    """Around an engine's start-up: freeze what is alive now (modules, the caller's objects; a
-    collection of the young generations first, not a full one, which would cost the walk this
-    avoids), so that every collection inside walks only what the start-up allocates. At its end
-    (an error included) the start-up's garbage is collected, still a walk of its own objects
-    only, and the heap unfrozen."""
+def frozen_heap() -> Iterator[None]:
+    """Freeze what is alive now (after a collection of the young generations, not a full one,
+    which would cost the walk this avoids), so that every collection inside walks only what the
+    block allocates. Nests: an inner block freezes what was allocated since the outer began, and
+    only the outermost one, at its end (an error included), collects its garbage (still a walk of
+    its own objects only) and unfreezes the heap."""
+    global _depth
     gc.collect(1)
     gc.freeze()
+    _depth += 1
     try:
         yield
     finally:
-        gc.collect()
-        gc.unfreeze()
+        _depth -= 1
+        if _depth == 0:
+            gc.collect()
+            gc.unfreeze()
 
 
 GC_THRESHOLD = (50_000, 20, 100)

@@ -20,7 +20,7 @@ from configs import EngineConfig, RequestOutputKind, SamplingParams
 from configs.sampling_params import SEED_MAX, truncate_prompt
 from models.config_json import ConfigFileError
 from models.hf_config import load_hf_config, model_spec, resolve_max_model_len
-from runner.collector import frozen_start_up_heap
+from runner.collector import frozen_heap
 from runner.detokenizer import IncrementalDetokenizer
 from runner.outputs import CompletionOutput, PendingOutput, RequestMetrics, RequestOutput
 from runner.platform import resolve_device, resolve_dtype
@@ -104,7 +104,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
         self.config = config
-        with frozen_start_up_heap():   # its collections walk only what it allocates (runner/collector.py)
+        with frozen_heap():   # its collections walk only what it allocates (runner/collector.py)
             path = resolve_model_path(config.model.model)
             self.model_path = path
             hf_config = load_hf_config(path)

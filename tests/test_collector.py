@@ -1,7 +1,7 @@
 """The garbage collector's rules in an engine process (runner/collector.py): the start-up freezes
 what was alive before it, so its collections walk only what it allocates; at its end it collects
-its own garbage and unfreezes the heap, errors included; the capture phase keeps a heap frozen
-that was frozen before it."""
+its own garbage and unfreezes the heap, errors included; the capture phase inside it freezes what
+the start-up built so far and leaves the unfreezing to the start-up."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import weakref
 import pytest
 from checkpoints import make_tiny_checkpoint
 
-from runner.collector import frozen_start_up_heap
+from runner.collector import frozen_heap
 
 
 class Node:
@@ -35,7 +35,7 @@ def unfrozen():
 def test_the_start_up_walks_only_what_it_allocates_and_leaves_its_garbage_collected():
     before = Node()
     assert _in_a_generation(before)
-    with frozen_start_up_heap():
+    with frozen_heap():
         assert not _in_a_generation(before)          # frozen: no collection inside walks it
         built = Node()
         garbage = Node()
@@ -50,20 +50,22 @@ def test_the_start_up_walks_only_what_it_allocates_and_leaves_its_garbage_collec
 def test_a_failed_start_up_leaves_the_heap_unfrozen():
     before = Node()
     with pytest.raises(RuntimeError):
-        with frozen_start_up_heap():
+        with frozen_heap():
             raise RuntimeError("no KV blocks")
     assert _in_a_generation(before)                   # unfrozen
 
 
-@pytest.mark.parametrize("frozen_before", [False, True])
-def test_the_capture_phase_keeps_a_frozen_heap_frozen(frozen_before):
+@pytest.mark.parametrize("inside_a_start_up", [False, True])
+def test_the_capture_phase_keeps_a_frozen_heap_frozen(inside_a_start_up):
+    from contextlib import nullcontext
+
     from runner.cudagraph.capture import CapturePhase
-    if frozen_before:
-        gc.freeze()
-    made_before = Node()
-    with CapturePhase().capturing():
-        assert not _in_a_generation(made_before)
-    assert _in_a_generation(made_before) is not frozen_before
+    with frozen_heap() if inside_a_start_up else nullcontext():
+        made_before = Node()
+        with CapturePhase().capturing():
+            assert not _in_a_generation(made_before)
+        assert _in_a_generation(made_before) is not inside_a_start_up
+    assert _in_a_generation(made_before)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,8 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 import torch
 from tqdm import tqdm
 
+from runner.collector import frozen_heap
+
 logger = logging.getLogger(__name__)
 K = TypeVar("K")
 
@@ -35,30 +37,22 @@ class CapturePhase:
 
     @contextmanager
     def capturing(self) -> Iterator["CapturePhase"]:
-        """Allow capture. gc is collected once, then frozen: hundreds of captures allocate many
-        Python objects, and a collection pass over the model's objects in every capture is what
-        makes capture slow. A heap that was frozen already (an engine's start-up freezes it:
-        runner/collector.py) stays frozen afterwards; else it is unfrozen. (On Python 3.12 a full
-        collection after an unfreeze leaves a few hundred objects of its own frozen, which reads as
-        frozen here: the heap then stays frozen until the engine's shutdown unfreezes it, so a
-        reference cycle of that time is freed then rather than earlier.) Synchronizes on both
-        ends so timing and memory readings are real."""
+        """Allow capture, with the heap frozen (runner/collector.frozen_heap): hundreds of
+        captures allocate many Python objects, and a collection pass over the model's objects in
+        every capture is what makes capture slow. Synchronizes on both ends so timing and memory
+        readings are real."""
         if self.active:
             raise RuntimeError("the capture phase is already active")
-        was_frozen = gc.get_freeze_count() > 0
-        gc.collect()
-        gc.freeze()
-        if _cuda_in_use():
-            torch.cuda.synchronize()
-        self.active = True
-        try:
-            yield self
-        finally:
-            self.active = False
-            if not was_frozen:
-                gc.unfreeze()
+        with frozen_heap():
             if _cuda_in_use():
                 torch.cuda.synchronize()
+            self.active = True
+            try:
+                yield self
+            finally:
+                self.active = False
+                if _cuda_in_use():
+                    torch.cuda.synchronize()
 
 
 def graph_pool() -> Any:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from configs import EngineConfig
 from models.hf_config import ModelSpec
 from models.parallel_state import reset_tensor_parallel_group, set_tensor_parallel_group
-from runner.collector import frozen_start_up_heap
+from runner.collector import frozen_heap
 from runner.distributed.comm import (PEER_LOSS_MARKERS, Agreement, DistributedGroups, broadcast_message, destroy_groups,
                                      init_groups, push_all_reduce, recv_tensors_into, send_message, send_tensors,
                                      set_distributed_env, warm_up_communicators)
@@ -50,7 +50,7 @@ def start_rank(config: EngineConfig, spec: ModelSpec, model_path: str, device: t
     all-reduce is set up first (collective), so the KV budget counts its buffer."""
     push = push_all_reduce(config.parallel.push_all_reduce_max_bytes, device, groups)
     set_tensor_parallel_group(groups.tp_rank, groups.topology.tp_size, groups.tp_group, push)
-    with frozen_start_up_heap():   # its collections walk only what it allocates (runner/collector.py)
+    with frozen_heap():   # its collections walk only what it allocates (runner/collector.py)
         runner = ModelRunner(config, spec, model_path, device, dtype, max_model_len, layer_range=layer_range)
         blocks = start_model_runner(runner, config, Agreement(groups))
     return runner, blocks
