@@ -189,10 +189,17 @@ class ParallelConfig(_Config):
                                     "ParallelConfig.push_all_reduce_max_bytes", 0),
         ge=0, description="tensor parallelism on GPUs: all-reduces of at most this many bytes run as one kernel "
                           "that pushes each rank's values into its peers' buffers over NVLink "
-                          "(models/push_all_reduce.py) instead of NCCL, from a buffer of 4 x tensor_parallel_size x "
+                          "(models/push_all_reduce.py) instead of NCCL, from a buffer of 8 x tensor_parallel_size x "
                           "this bytes on each GPU; 131072 takes decode batches up to 16 rows of 4096 bf16. "
                           "0 (default): NCCL for all, until a hang seen once with it on is explained "
                           "(docs/PARALLEL.md) [GRAPHRUNNER_PUSH_ALL_REDUCE_MAX_BYTES]")
+    push_all_reduce_in_gemv: bool = Field(
+        default_factory=env_default("GRAPHRUNNER_PUSH_ALL_REDUCE_IN_GEMV", "ParallelConfig.push_all_reduce_in_gemv",
+                                    True),
+        description="with the push all-reduce on: a decode row's o_proj and down_proj GEMVs sum their own output "
+                    "over the ranks in their epilogue (models/small_batch_kernels.linear_all_reduce) instead of "
+                    "launching the all-reduce kernel after them; off: that kernel after them "
+                    "[GRAPHRUNNER_PUSH_ALL_REDUCE_IN_GEMV]")
     threads: int | None = Field(
         None, ge=1, description="CPU threads of torch's operators (torch.set_num_threads, set when the engine "
                                 "starts, for the whole process); None: torch's default, one per core")

@@ -445,11 +445,18 @@ def row_parallel_linear(in_features: int, out_features: int, bias: bool, field: 
     return RowParallelLinear(in_features, out_features, bias, field)
 
 
-def linear_by(kernel_linear, x: torch.Tensor, layer: Linear) -> torch.Tensor:
-    """`kernel_linear(x, weight, bias)` (a fused path's own GEMV, e.g. small_batch_kernels.linear)
-    with `layer`'s parameters; a RowParallelLinear's all-reduce and bias follow it."""
-    out = kernel_linear(x, layer.weight, layer.product_bias())
-    return layer.reduce(out) if isinstance(layer, RowParallelLinear) else out
+def linear_by(kernels, x: torch.Tensor, layer: Linear) -> torch.Tensor:
+    """`kernels.linear(x, weight, bias)` (a fused path's own GEMV: models/small_batch_kernels.py) with
+    `layer`'s parameters; a RowParallelLinear's all-reduce and bias follow it. Where the push
+    all-reduce is set up, a row-parallel GEMV that can sums its output over the ranks itself
+    (`kernels.linear_all_reduce`): one kernel instead of two."""
+    if not isinstance(layer, RowParallelLinear):
+        return kernels.linear(x, layer.weight, layer.product_bias())
+    push = tensor_parallel_group().push
+    out = kernels.linear_all_reduce(x, layer.weight, push) if push is not None else None
+    if out is None:
+        return layer.reduce(kernels.linear(x, layer.weight, layer.product_bias()))
+    return out if layer.bias is None else out.add_(layer.bias)
 
 
 SCREEN_MIN_ROWS = 16

@@ -107,7 +107,8 @@ class DecoderLayer(nn.Module):
         (`norm_qkv_rope_cache`) and only the attention op runs after it. Same contract: (hidden,
         residual) in and out, residual None on the first layer. Under tensor parallelism every
         kernel here works on this rank's shard (its heads, its MLP columns: the weights it holds),
-        and o_proj / down_proj are each followed by their all-reduce (`linear_by`)."""
+        and o_proj / down_proj each end with their all-reduce (`linear_by`: in the GEMV itself where the
+        push all-reduce is set up)."""
         attn, mlp = self.self_attn, self.mlp
         norm, proj = self.input_layernorm, attn.qkv_proj
         cache = attn.cache_written_here(hidden)
@@ -119,10 +120,10 @@ class DecoderLayer(nn.Module):
         else:
             qkv, residual = kernels.norm_linear(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias)
             hidden = attn.attend(positions, qkv)
-        hidden = linear_by(kernels.linear, hidden, attn.o_proj)   # + the all-reduce under TP
+        hidden = linear_by(kernels, hidden, attn.o_proj)   # + the all-reduce under TP
         norm, proj = self.post_attention_layernorm, mlp.gate_up_proj
         act, residual = kernels.norm_gate_up_silu(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias)
-        return linear_by(kernels.linear, act, mlp.down_proj), residual
+        return linear_by(kernels, act, mlp.down_proj), residual
 
 
 class LlamaModel(DecoderModel):

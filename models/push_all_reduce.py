@@ -27,9 +27,16 @@ only after that peer pushed the call in between, i.e. after the peer's reads of 
 A word left from two calls before carries another tag, so stale data is never taken for new.
 A peer that never arrives (crashed mid-step) makes the kernel trap after PEER_TIMEOUT_S, which
 surfaces as a CUDA error on this rank instead of a hang.
+
+The same protocol also runs inside a GEMV: a one-row o_proj / down_proj sums its own output in its
+epilogue (models/small_batch_kernels.linear_all_reduce, `push_lanes` and `summed_lanes` here), so
+the step launches no all-reduce kernel at all. Its words go to a second region of the buffers, with
+a call count of its own (`PushAllReduce.projection_reduce`).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -124,62 +131,110 @@ def _lane_bits(lo, hi, ELEM_BITS: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def tag_of_call(call):
+    """(tag32, parity) of a call counted from 1: the tag as 32 bits that are never 0 (the buffers
+    start zeroed, so a zeroed word never matches), and the slot it uses."""
+    return (call - 1) % 0xFFFFFFFF + 1, call % 2
+
+
+@triton.jit
+def push_lanes(bits, offs, mask, buffer_ptrs, tag32, parity, slot_words,
+                RANK: tl.constexpr, WORLD: tl.constexpr, STRONG: tl.constexpr):
+    """Store this rank's lanes `bits` (int32, at lane offsets `offs`) as tagged words into slot
+    [parity][RANK] of every peer's buffer."""
+    words = (tag32.to(tl.int64) << 32) | (bits.to(tl.int64) & 0xFFFFFFFF)
+    for peer in tl.static_range(WORLD):
+        if peer != RANK:
+            peer_words = tl.load(buffer_ptrs + peer).to(tl.pointer_type(tl.int64))
+            _store_words(peer_words + ((parity * WORLD + RANK) * slot_words) + offs, words, mask, STRONG)
+
+
+@triton.jit
+def summed_lanes(bits, offs, mask, buffer_ptrs, tag32, parity, slot_words,
+                  RANK: tl.constexpr, WORLD: tl.constexpr, ELEM_BITS: tl.constexpr, DTYPE: tl.constexpr,
+                  STRONG: tl.constexpr, TIMEOUT_NS: tl.constexpr):
+    """The lanes at `offs` summed over the ranks: this rank's `bits` and, polled from slot
+    [parity][peer] of its own buffer until every word carries the tag, each peer's, added in fp32
+    in rank order (the same sum, bit for bit, on every rank) and rounded to DTYPE."""
+    own_words = tl.load(buffer_ptrs + RANK).to(tl.pointer_type(tl.int64))
+    acc_lo = tl.zeros(bits.shape, dtype=tl.float32)
+    acc_hi = tl.zeros(bits.shape, dtype=tl.float32)
+    for source in tl.static_range(WORLD):   # rank order
+        if source == RANK:
+            source_bits = bits
+        else:
+            src = own_words + ((parity * WORLD + source) * slot_words) + offs
+            words = _load_words(src, mask, STRONG)
+            if STRONG:
+                began = _nanoseconds()
+            while _untagged(words, tag32, mask) > 0:
+                words = _load_words(src, mask, STRONG)
+                if STRONG:
+                    if _nanoseconds() - began > TIMEOUT_NS:
+                        _trap()
+            source_bits = (words & 0xFFFFFFFF).to(tl.int32)
+        lo, hi = _lane_values(source_bits, ELEM_BITS, DTYPE)
+        acc_lo += lo
+        acc_hi += hi
+    return _lane_bits(acc_lo, acc_hi, ELEM_BITS, DTYPE)
+
+
+@triton.jit
 def _push_all_reduce_kernel(x_ptr, lanes, buffer_ptrs, counter_ptr, slot_words,
                             RANK: tl.constexpr, WORLD: tl.constexpr, ELEM_BITS: tl.constexpr,
                             BLOCK: tl.constexpr, STRONG: tl.constexpr, TIMEOUT_NS: tl.constexpr,
                             PDL: tl.constexpr):
     """x (`lanes` 32-bit lanes) summed over the ranks, in place. buffer_ptrs[r]: rank r's buffer,
-    int64 words [2 slots][WORLD][slot_words]; counter_ptr: this rank's call count per program."""
+    int64 words [2 slots][WORLD][slot_words]; counter_ptr: this rank's call count per program.
+    Every lane of the program is pushed before any is polled, so the peers' latencies overlap."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     dtype = x_ptr.dtype.element_ty
     x_lanes = x_ptr.to(tl.pointer_type(tl.int32))
     wait_for_producers(PDL)          # x is the projection's output: nothing is read before this
-    tag = tl.load(counter_ptr + pid) + 1
-    tl.store(counter_ptr + pid, tag)
-    tag32 = (tag - 1) % 0xFFFFFFFF + 1          # 1 .. 2**32 - 1: a zeroed word never matches
-    parity = tag % 2
+    call = tl.load(counter_ptr + pid) + 1
+    tl.store(counter_ptr + pid, call)
+    tag32, parity = tag_of_call(call)
     for start in range(pid * BLOCK, lanes, programs * BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < lanes
-        words = (tag32 << 32) | (tl.load(x_lanes + offs, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF)
-        for peer in tl.static_range(WORLD):
-            if peer != RANK:
-                peer_words = tl.load(buffer_ptrs + peer).to(tl.pointer_type(tl.int64))
-                _store_words(peer_words + ((parity * WORLD + RANK) * slot_words) + offs, words, mask, STRONG)
+        bits = tl.load(x_lanes + offs, mask=mask, other=0)
+        push_lanes(bits, offs, mask, buffer_ptrs, tag32, parity, slot_words, RANK, WORLD, STRONG)
+    for start in range(pid * BLOCK, lanes, programs * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < lanes
+        bits = tl.load(x_lanes + offs, mask=mask, other=0)
+        summed = summed_lanes(bits, offs, mask, buffer_ptrs, tag32, parity, slot_words, RANK, WORLD,
+                               ELEM_BITS, dtype, STRONG, TIMEOUT_NS)
+        tl.store(x_lanes + offs, summed, mask=mask)
 
-    own_words = tl.load(buffer_ptrs + RANK).to(tl.pointer_type(tl.int64))
-    for start in range(pid * BLOCK, lanes, programs * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < lanes
-        acc_lo = tl.zeros([BLOCK], dtype=tl.float32)
-        acc_hi = tl.zeros([BLOCK], dtype=tl.float32)
-        for source in tl.static_range(WORLD):   # rank order: the same sum on every rank
-            if source == RANK:
-                bits = tl.load(x_lanes + offs, mask=mask, other=0)
-            else:
-                src = own_words + ((parity * WORLD + source) * slot_words) + offs
-                words = _load_words(src, mask, STRONG)
-                if STRONG:
-                    began = _nanoseconds()
-                while _untagged(words, tag32, mask) > 0:
-                    words = _load_words(src, mask, STRONG)
-                    if STRONG:
-                        if _nanoseconds() - began > TIMEOUT_NS:
-                            _trap()
-                bits = (words & 0xFFFFFFFF).to(tl.int32)
-            lo, hi = _lane_values(bits, ELEM_BITS, dtype)
-            acc_lo += lo
-            acc_hi += hi
-        tl.store(x_lanes + offs, _lane_bits(acc_lo, acc_hi, ELEM_BITS, dtype), mask=mask)
+
+class ProjectionReduce(NamedTuple):
+    """What a one-row GEMV needs to all-reduce its own output in its epilogue
+    (models/small_batch_kernels.linear_all_reduce): the ranks' buffers of the fused region, its grid's
+    call counter, and the protocol's constants."""
+    buffer_ptrs: torch.Tensor
+    tickets: torch.Tensor
+    slot_words: int
+    rank: int
+    world: int
+    strong: bool
+
+
+TICKET_GRIDS = 4
+"""Grid sizes whose GEMVs may all-reduce in their epilogue (one call counter each). A decoder has one:
+o_proj and down_proj both write the hidden size."""
 
 
 class PushAllReduce:
     """One rank's side of the group: every rank's buffer mapped into this process (its own among
     them), and its programs' call counters. `max_bytes`: the largest tensor it takes (a slot holds
-    twice that: one 64-bit word per 32-bit lane)."""
+    twice that: one 64-bit word per 32-bit lane). A buffer has two regions of two slots: one for
+    this module's kernel, one for the GEMVs that all-reduce their own output (`projection_reduce`),
+    since each counts its calls, and so tags its words, on its own. `in_gemv` False: no GEMV does
+    (ParallelConfig.push_all_reduce_in_gemv)."""
 
-    def __init__(self, buffers: list[torch.Tensor], rank: int, max_bytes: int) -> None:
+    def __init__(self, buffers: list[torch.Tensor], rank: int, max_bytes: int, in_gemv: bool = True) -> None:
         need = self.buffer_bytes(max_bytes, len(buffers))
         for b in buffers:
             if b.numel() * b.element_size() < need:
@@ -190,13 +245,20 @@ class PushAllReduce:
         self.world = len(buffers)
         self.rank = rank
         self.max_bytes = max_bytes
-        self.buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=self.buffer.device)
-        self.counters = torch.zeros(PROGRAMS, dtype=torch.int64, device=self.buffer.device)
+        self.in_gemv = in_gemv
+        device = self.buffer.device
+        self.buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)
+        self.counters = torch.zeros(PROGRAMS, dtype=torch.int64, device=device)
+        region = self.buffer_bytes(max_bytes, self.world) // 2
+        self.projection_buffer_ptrs = torch.tensor([b.data_ptr() + region for b in buffers], dtype=torch.int64,
+                                                   device=device)
+        self.tickets = torch.zeros(TICKET_GRIDS, dtype=torch.int64, device=device)
+        self._ticket_of_grid: dict[int, int] = {}
 
     @staticmethod
     def buffer_bytes(max_bytes: int, world: int) -> int:
-        """Bytes of each rank's buffer: 2 slots x `world` ranks x a word per 4 bytes of tensor."""
-        return 2 * world * 2 * max_bytes
+        """Bytes of each rank's buffer: 2 regions x 2 slots x `world` ranks x a word per 4 bytes of tensor."""
+        return 2 * 2 * world * 2 * max_bytes
 
     def usable(self, x: torch.Tensor) -> bool:
         """Whether `x` takes this kernel: contiguous, a float dtype it is built for, whole 32-bit
@@ -206,6 +268,23 @@ class PushAllReduce:
         return (x.dtype in DTYPES and x.is_contiguous() and x.device == self.buffer.device
                 and 0 < nbytes <= self.max_bytes and nbytes % 4 == 0
                 and x.storage_offset() * x.element_size() % 4 == 0)
+
+    def projection_reduce(self, out_bytes: int, dtype: torch.dtype, device: torch.device,
+                          grid: int) -> ProjectionReduce | None:
+        """The fused region for a GEMV of `grid` programs whose fresh contiguous output of `out_bytes`
+        bytes it all-reduces itself, or None (a dtype or size this protocol does not take, or more
+        grid sizes than TICKET_GRIDS, or `in_gemv` off): the caller then all-reduces the output
+        afterwards. Decided from sizes alone, in the same order on every rank, so the ranks agree on
+        the counters too."""
+        if not self.in_gemv or dtype not in DTYPES or device != self.buffer.device or not 0 < out_bytes <= self.max_bytes or out_bytes % 4:
+            return None
+        index = self._ticket_of_grid.get(grid)
+        if index is None:
+            if len(self._ticket_of_grid) == TICKET_GRIDS:
+                return None
+            index = self._ticket_of_grid[grid] = len(self._ticket_of_grid)
+        return ProjectionReduce(self.projection_buffer_ptrs, self.tickets[index:index + 1], self.max_bytes // 4,
+                                self.rank, self.world, device.type == "cuda")
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the group, in place (a program reads its lanes of x before it writes them)."""

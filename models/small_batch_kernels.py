@@ -49,6 +49,7 @@ import triton.language as tl
 from configs.kernel_config import active_kernel_config
 from launch.fast_launch import FastLaunch, num_sms
 from launch.pdl import use_pdl, wait_for_producers
+from models.push_all_reduce import PEER_TIMEOUT_S, ProjectionReduce, PushAllReduce, push_lanes, summed_lanes, tag_of_call
 
 MAX_ROWS = 32
 """Most rows the kernels take (BLOCK_M = 32 then; the accumulator and the x tile grow with it).
@@ -113,18 +114,38 @@ def _normalise(x, inv, norm_w_ptr, offs_k, k_mask):
 @triton.jit
 def _small_rows_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr,
                        M, N, K, eps, stride_xm, stride_xk, stride_rm, stride_rk,
+                       ar_buffer_ptrs, ar_tickets_ptr, ar_slot_words,
                        HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                        GATED: tl.constexpr, IEEE: tl.constexpr, ONE_TILE: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       RMS_BLOCK: tl.constexpr, PDL: tl.constexpr):
+                       RMS_BLOCK: tl.constexpr, PDL: tl.constexpr,
+                       ALL_REDUCE: tl.constexpr, AR_RANK: tl.constexpr, AR_WORLD: tl.constexpr,
+                       AR_ELEM_BITS: tl.constexpr, AR_LANES: tl.constexpr, AR_STRONG: tl.constexpr,
+                       AR_TIMEOUT_NS: tl.constexpr):
     """out[M, N] = prologue(x) @ W[N, K].T (+ b); GATED: W is [2N, K] = [gate; up] and
     out = silu(gate) * up. W contiguous; out and residual_out contiguous [M, N] / [M, K].
     ONE_TILE (K <= BLOCK_K): x is read once and the rms computed in the K loop's only iteration,
     after the weight loads are issued, instead of in a pass of its own.
     The K loop is pipelined by hand, one tile ahead: the first weight tile is requested before
     the rms pass (and, with PDL, before waiting for the kernel that produces x), each later one
-    before the current tile is used, so DRAM latency overlaps the work instead of preceding it."""
-    pid_n = tl.program_id(0)
+    before the current tile is used, so DRAM latency overlaps the work instead of preceding it.
+    ALL_REDUCE (one row, N whole tiles of AR_LANES 32-bit lanes): the output is summed over the
+    tensor-parallel ranks in the epilogue (`linear_all_reduce`): the program pushes its rounded
+    columns into the peers' buffers and adds theirs (models/push_all_reduce.py's protocol). Its
+    columns come from a ticket (a call counter in device memory, shared by the grid's programs), not
+    from its program id: ticket t takes column tile t % grid of call t // grid + 1, so a program
+    waiting for the peer's same tile runs only once every lower tile of its rank has been started,
+    and each rank's lowest waiting tile is one its peer also starts: the ranks never wait on each
+    other in a circle, however the GPUs schedule the programs. Only such GEMVs touch the counter, and
+    two of them never overlap (a kernel between them waits for the first to end), so taking the
+    ticket before the PDL wait is safe."""
+    if ALL_REDUCE:
+        programs = tl.num_programs(0)
+        ticket = tl.atomic_add(ar_tickets_ptr, 1, sem="relaxed")
+        pid_n = ticket % programs
+        tag32, parity = tag_of_call(ticket // programs + 1)
+    else:
+        pid_n = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -192,6 +213,17 @@ def _small_rows_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, out_ptr, res_ou
         res = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32) * up
     out_mask = m_mask[:, None] & n_mask[None, :]
     tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], res.to(out_ty), mask=out_mask)
+    if ALL_REDUCE:   # this rank's rounded columns, as lanes, summed with the peers' (row 0: the only one)
+        tl.debug_barrier()   # the tile's values, stored by several threads, are read back as lanes
+        out_lanes = out_ptr.to(tl.pointer_type(tl.int32))
+        lane_offs = pid_n * AR_LANES + tl.arange(0, AR_LANES)
+        lane_mask = lane_offs < N * AR_ELEM_BITS // 32
+        bits = tl.load(out_lanes + lane_offs, mask=lane_mask, other=0)
+        push_lanes(bits, lane_offs, lane_mask, ar_buffer_ptrs, tag32, parity, ar_slot_words, AR_RANK, AR_WORLD,
+                   AR_STRONG)
+        summed = summed_lanes(bits, lane_offs, lane_mask, ar_buffer_ptrs, tag32, parity, ar_slot_words, AR_RANK,
+                              AR_WORLD, AR_ELEM_BITS, out_ty, AR_STRONG, AR_TIMEOUT_NS)
+        tl.store(out_lanes + lane_offs, summed, mask=lane_mask)
 
 
 _small_rows_launch = FastLaunch(_small_rows_kernel)
@@ -276,9 +308,11 @@ def _stages(rows: int, device: torch.device) -> int:
     return ONE_ROW_TILES["num_stages"] if rows == 1 and device.type == "cuda" else 3
 
 
-def _launch(x, residual, norm_weight, eps, weight, bias, gated: bool, config: tuple | None = None):
+def _launch(x, residual, norm_weight, eps, weight, bias, gated: bool, config: tuple | None = None,
+            reduce: ProjectionReduce | None = None):
     """`config` = (BLOCK_N, BLOCK_K, num_warps, num_stages) overrides block_sizes for one row
-    (`graphrunner bench gemv_configs` sweeps it)."""
+    (`graphrunner bench gemv_configs` sweeps it). `reduce`: all-reduce the output in the epilogue
+    (`linear_all_reduce`, which checks that the tiles allow it)."""
     if x.dim() != 2:
         raise ValueError(f"expected 2-D x, got {tuple(x.shape)}")
     rows, k = x.shape
@@ -311,8 +345,10 @@ def _launch(x, residual, norm_weight, eps, weight, bias, gated: bool, config: tu
         weight, bias if bias is not None else weight, out, res_out if res_out is not None else out,
         rows, n, k, float(eps), x.stride(0), x.stride(1),
         residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
+        *(reduce[:3] if reduce is not None else (out, out, 0)),
         norm_weight is not None, residual is not None, bias is not None,
         gated, x.dtype == torch.float32, k <= block_k, block_m, block_n, block_k, rms_block(k, block_m), pdl,
+        reduce is not None, *_reduce_constants(reduce, x.dtype, block_n),
         device_index=x.device.index or 0, num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return out, (res_out if residual is not None else x)
 
@@ -336,6 +372,34 @@ def norm_gate_up_silu(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias for x [M <= MAX_ROWS, K] (any strides), weight [N, K] contiguous."""
     return _launch(x, None, None, 0.0, weight, bias, gated=False)[0]
+
+
+def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, push: PushAllReduce) -> torch.Tensor | None:
+    """x @ weight.T summed over the tensor-parallel group, in one launch: a row-parallel projection
+    (o_proj, down_proj) of one decode row whose GEMV all-reduces its own output, so the step has no
+    all-reduce kernel of its own, nor the launch gaps around one. None when this product cannot
+    (rows, tiles or size; decided from shapes alone, the same on every rank): the caller then runs
+    `linear` and all-reduces after it. The sum equals `linear` then `push.all_reduce_`, bit for bit."""
+    if x.dim() != 2 or x.shape[0] != 1:
+        return None
+    n, k = weight.shape
+    _, block_n, _, _ = block_sizes(1, n, k, x.dtype, x.device)
+    bits = 8 * x.element_size()
+    if n % block_n or block_n * bits % 32:
+        return None
+    reduce = push.projection_reduce(n * x.element_size(), x.dtype, x.device, triton.cdiv(n, block_n))
+    if reduce is None:
+        return None
+    return _launch(x, None, None, 0.0, weight, None, gated=False, reduce=reduce)[0]
+
+
+def _reduce_constants(reduce: ProjectionReduce | None, dtype: torch.dtype, block_n: int) -> tuple:
+    """The kernel's AR_* constexprs (RANK, WORLD, ELEM_BITS, LANES, STRONG, TIMEOUT_NS); fixed
+    values when it does not all-reduce, so those variants compile once."""
+    if reduce is None:
+        return 0, 1, 32, 1, False, 0
+    bits = torch.finfo(dtype).bits
+    return reduce.rank, reduce.world, bits, block_n * bits // 32, reduce.strong, PEER_TIMEOUT_S * 10**9
 
 
 

@@ -66,6 +66,94 @@ def test_rank0_pushes_tagged_words_and_sums_the_peers_in_rank_order(dtype):
     assert not own[(MAX_BYTES // 4) * 2 * 2:].any()    # nothing written past the two slots
 
 
+def _exact_product(dtype, n, k, gen):
+    """x [1, k] in eighths below 1 and a weight [n, k] of -1 / 0 / 1: with k = 16 every product
+    and every sum below is exact in each dtype (the interpreter rounds bf16 by truncation)."""
+    x = (torch.randint(-8, 8, (1, k), generator=gen) / 8).to(dtype)
+    return x, torch.randint(-1, 2, (n, k), generator=gen).to(dtype)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="Triton on a CPU needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rank0_projection_all_reduces_its_own_output_in_its_epilogue(dtype):
+    """`linear_all_reduce` as rank 0 of two: its GEMV pushes its rounded columns as tagged words into
+    the peer's buffer (the projection region, slot by the call's parity) and adds the peer's words;
+    the sum is `linear`'s product plus the peer's in fp32, rounded once, as `linear` then the
+    push kernel; its tickets count its programs per call; the push kernel's region is untouched."""
+    from models import small_batch_kernels as sbk
+    reducer, own, peer = _pair()
+    region, slot_words, n = len(own) // 2, MAX_BYTES // 4, 96
+    gen = torch.Generator().manual_seed(1)
+    for call in (1, 2, 3):
+        x, w = _exact_product(dtype, n, 16, gen)
+        theirs = (torch.randint(-64, 64, (1, n), generator=gen) / 8).to(dtype)
+        lanes = theirs.numel() * theirs.element_size() // 4
+        start = region + (call % 2 * 2 + 1) * slot_words        # slot [parity][rank 1] of rank 0's region
+        own[start:start + lanes] = (call << 32) | _lanes(theirs).view(-1)
+        mine = sbk.linear(x, w)
+        summed = sbk.linear_all_reduce(x, w, reducer)
+        assert torch.equal(summed, (mine.float() + theirs.float()).to(dtype))
+        start = region + (call % 2 * 2) * slot_words               # slot [parity][rank 0] of rank 1's region
+        assert torch.equal(peer[start:start + lanes], (call << 32) | _lanes(mine).view(-1))
+        grid = reducer.tickets[0].item() // call
+        assert grid * call == reducer.tickets[0].item() and grid > 1 and not reducer.tickets[1:].any()
+    assert not peer[:region].any() and not reducer.counters.any()
+
+
+def test_a_projection_all_reduces_itself_only_where_rows_tiles_and_size_allow(monkeypatch):
+    """Each declined product (None: the caller all-reduces after `linear`) is decided from shapes
+    alone, the same on every rank; each grid size keeps one call counter, TICKET_GRIDS at most."""
+    from models import small_batch_kernels as sbk
+    from models.push_all_reduce import TICKET_GRIDS
+    reducer, _, _ = _pair()
+    launched = []
+    monkeypatch.setattr(sbk, "_launch", lambda *args, reduce, **kwargs: launched.append(reduce) or (args[0], None))
+    fits = lambda rows, n, dtype=torch.float32: sbk.linear_all_reduce(
+        torch.zeros(rows, 16, dtype=dtype), torch.zeros(n, 16, dtype=dtype), reducer) is not None
+    assert fits(1, 64) and fits(1, MAX_BYTES // 2, torch.bfloat16)
+    assert not fits(2, 64)                                  # one row only
+    assert not fits(1, 60)                                  # columns not whole tiles (8 a program here)
+    assert not fits(1, MAX_BYTES, torch.bfloat16)           # larger than max_bytes
+    assert not fits(1, 64, torch.int32)                     # not a float type
+    assert len(launched) == 2 and launched[0].slot_words == MAX_BYTES // 4
+    tickets = {}
+    for n in (64, 128, 256, 512, 1024):
+        reduce = reducer.projection_reduce(4 * n, torch.float32, torch.device("cpu"), n // 8)
+        tickets[n] = None if reduce is None else reduce.tickets.data_ptr()
+    # grids 8 (n 64) and 32 (2048 bf16 columns, 64 a program; n 256) were counted above; 16 and 64
+    # take the last two counters; 128 finds none
+    assert tickets[64] == launched[0].tickets.data_ptr() and tickets[256] == launched[1].tickets.data_ptr()
+    assert len(set(tickets.values()) - {None}) == TICKET_GRIDS and tickets[1024] is None
+
+
+def test_row_parallel_layers_all_reduce_in_the_gemv_where_it_can_and_after_it_otherwise(monkeypatch):
+    """`linear_by`: a row-parallel layer under the push all-reduce takes `linear_all_reduce`, then its
+    bias; where that declines, `linear` then the layer's all-reduce and bias; a plain layer, `linear`."""
+    from models import layers
+    calls = []
+    reducer, _, _ = _pair()
+    monkeypatch.setattr(parallel_state, "_GROUP", parallel_state.TensorParallelGroup(0, 2, object(), reducer))
+    row = layers.RowParallelLinear(8, 4, bias=True)
+    row.bias.data.fill_(1.0)
+    plain = layers.Linear(4, 4, bias=False)
+    declines = []
+    kernels = SimpleNamespace(
+        linear=lambda x, w, b: calls.append(("linear", b is not None)) or torch.zeros(1, w.shape[0]),
+        linear_all_reduce=lambda x, w, push: calls.append(("fused", push is reducer)) or (
+            None if declines else torch.full((1, w.shape[0]), 2.0)))
+    monkeypatch.setattr(parallel_state, "tensor_parallel_all_reduce", lambda x: calls.append(("after",)) or x)
+    monkeypatch.setattr(layers, "tensor_parallel_all_reduce", parallel_state.tensor_parallel_all_reduce)
+    assert torch.equal(layers.linear_by(kernels, torch.zeros(1, 4), row), torch.full((1, 4), 3.0))
+    assert calls == [("fused", True)]
+    declines.append(True)
+    calls.clear()
+    assert torch.equal(layers.linear_by(kernels, torch.zeros(1, 4), row), torch.ones(1, 4))
+    assert calls == [("fused", True), ("linear", False), ("after",)]
+    calls.clear()
+    layers.linear_by(kernels, torch.zeros(1, 4), plain)
+    assert calls == [("linear", False)]
+
+
 def test_only_small_whole_lane_float_tensors_take_the_kernel():
     reducer, _, _ = _pair()
     assert reducer.usable(torch.zeros(1, MAX_BYTES // 2, dtype=torch.bfloat16))      # exactly max_bytes
@@ -154,8 +242,9 @@ def test_a_rank_that_cannot_map_its_peers_says_why_and_keeps_nccl(monkeypatch, c
 
 
 def _against_nccl(rank: int, port: int, failures) -> None:
-    """Rank `rank` of two: eager calls of several sizes and dtypes equal NCCL's, and a captured
-    call replays correctly (its program counters advance in replays as in eager calls)."""
+    """Rank `rank` of two: eager calls of several sizes and dtypes equal NCCL's, so do GEMVs that
+    all-reduce their own output (against `linear` then NCCL), and captured calls of both replay
+    correctly (their counters advance in replays as in eager calls)."""
     import datetime
     import torch.distributed as dist
     comm.set_distributed_env()
@@ -177,16 +266,31 @@ def _against_nccl(rank: int, port: int, failures) -> None:
                 if not torch.equal(x, expected):
                     failures.put(f"rank {rank}: {shape} {dtype} differs from NCCL")
                     return
+        from models import small_batch_kernels as sbk
+        for _ in range(20):    # the GEMVs that all-reduce their own output: linear, then NCCL
+            for dtype in (torch.bfloat16, torch.float32):
+                x = torch.randn(1, 2048, generator=gen, device="cuda").to(dtype)
+                w = (torch.randn(4096, 2048, generator=gen, device="cuda") / 45).to(dtype)
+                expected = sbk.linear(x, w)
+                dist.all_reduce(expected, group=groups.tp_group)
+                if not torch.equal(sbk.linear_all_reduce(x, w, reducer), expected):
+                    failures.put(f"rank {rank}: linear_all_reduce {dtype} differs from linear + NCCL")
+                    return
         graph = torch.cuda.CUDAGraph()
         x = torch.ones(1, 4096, dtype=torch.bfloat16, device="cuda")
+        row = torch.ones(1, 64, dtype=torch.bfloat16, device="cuda")
+        w = torch.ones(4096, 64, dtype=torch.bfloat16, device="cuda")
+        sbk.linear_all_reduce(row, w, reducer)   # compiled before the capture
         with torch.cuda.graph(graph):
             reducer.all_reduce_(x)
+            projected = sbk.linear_all_reduce(row, w, reducer)
         for _ in range(5):
             x.fill_(rank + 1)
+            row.fill_((rank + 1) / 64)
             graph.replay()
             torch.cuda.synchronize()
-            if not torch.all(x == 3):
-                failures.put(f"rank {rank}: replay sum {x[0, 0].item()}")
+            if not (torch.all(x == 3) and torch.all(projected == 3)):
+                failures.put(f"rank {rank}: replay sums {x[0, 0].item()}, {projected[0, 0].item()}")
                 return
     finally:
         comm.destroy_groups(groups)

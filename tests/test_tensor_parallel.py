@@ -480,6 +480,7 @@ def test_multigpu_tp2_matches_tp1_in_graph_modes(tmp_path, mode):
         parallel = generated_tokens(llm, prompts, GREEDY) + generated_tokens(llm, prompts[:3], GREEDY)
         assert sum(w.num_replays for w in (runner.full, runner.piecewise) if w is not None) > 0
         assert runner.steps_by_mode["FULL"] > 0
+        assert tensor_parallel_group().push.tickets.any()   # one-row steps: o_proj / down all-reduced in the GEMV
     assert parallel == single
     assert parallel[:len(prompts)] == expected
     assert multiprocessing.active_children() == []

@@ -207,14 +207,16 @@ def _exchange_buffers(buffer: torch.Tensor, groups: DistributedGroups) -> list[t
     return mapped
 
 
-def push_all_reduce(max_bytes: int, device: torch.device, groups: DistributedGroups) -> PushAllReduce | None:
+def push_all_reduce(max_bytes: int, device: torch.device, groups: DistributedGroups,
+                    in_gemv: bool = True) -> PushAllReduce | None:
     """This rank's push all-reduce for its TP group's small all-reduces (models/push_all_reduce.py),
     or None: NCCL does them all. Only for CUDA tensor parallelism with `max_bytes` > 0. Collective
     over the world: every rank allocates its zeroed buffer, all agree that every allocation
     succeeded (else every rank keeps NCCL, with a warning naming the error, instead of one rank
     waiting in an exchange the others skip), the buffers are mapped into every rank of their TP
     group, and no rank returns before every buffer is zeroed and mapped (no word from before may
-    carry a tag the first calls expect)."""
+    carry a tag the first calls expect). `in_gemv`: one-row projections may all-reduce in their GEMV
+    (ParallelConfig.push_all_reduce_in_gemv)."""
     if device.type != "cuda" or groups.tp_group is None or max_bytes <= 0:
         return None
     from models.push_all_reduce import PushAllReduce
@@ -231,7 +233,7 @@ def push_all_reduce(max_bytes: int, device: torch.device, groups: DistributedGro
         buffers, error = None, caught
     if not _every_rank_could(buffers is not None, error, groups):   # also the barrier
         return None
-    return PushAllReduce(buffers, groups.tp_rank, max_bytes)
+    return PushAllReduce(buffers, groups.tp_rank, max_bytes, in_gemv=in_gemv)
 
 
 def _every_rank_could(done: bool, error: Exception | None, groups: DistributedGroups) -> bool:
