@@ -119,7 +119,7 @@ def _lane_values(bits, ELEM_BITS: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _lane_bits(lo, hi, ELEM_BITS: tl.constexpr, DTYPE: tl.constexpr):
+def lane_bits(lo, hi, ELEM_BITS: tl.constexpr, DTYPE: tl.constexpr):
     """The inverse of _lane_values, rounding each fp32 value to DTYPE."""
     if ELEM_BITS == 32:
         bits = lo.to(tl.int32, bitcast=True)
@@ -176,7 +176,7 @@ def summed_lanes(bits, offs, mask, buffer_ptrs, tag32, parity, slot_words,
         lo, hi = _lane_values(source_bits, ELEM_BITS, DTYPE)
         acc_lo += lo
         acc_hi += hi
-    return _lane_bits(acc_lo, acc_hi, ELEM_BITS, DTYPE)
+    return lane_bits(acc_lo, acc_hi, ELEM_BITS, DTYPE)
 
 
 @triton.jit

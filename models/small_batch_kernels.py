@@ -49,7 +49,8 @@ import triton.language as tl
 from configs.kernel_config import active_kernel_config
 from launch.fast_launch import FastLaunch, num_sms
 from launch.pdl import use_pdl, wait_for_producers
-from models.push_all_reduce import PEER_TIMEOUT_S, ProjectionReduce, PushAllReduce, push_lanes, summed_lanes, tag_of_call
+from models.push_all_reduce import (PEER_TIMEOUT_S, ProjectionReduce, PushAllReduce, lane_bits, push_lanes,
+                                    summed_lanes, tag_of_call)
 
 MAX_ROWS = 32
 """Most rows the kernels take (BLOCK_M = 32 then; the accumulator and the x tile grow with it).
@@ -211,19 +212,23 @@ def _small_rows_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, out_ptr, res_ou
         gate = res.to(out_ty).to(tl.float32)
         up = res_up.to(out_ty).to(tl.float32)
         res = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32) * up
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], res.to(out_ty), mask=out_mask)
-    if ALL_REDUCE:   # this rank's rounded columns, as lanes, summed with the peers' (row 0: the only one)
-        tl.debug_barrier()   # the tile's values, stored by several threads, are read back as lanes
-        out_lanes = out_ptr.to(tl.pointer_type(tl.int32))
+    if ALL_REDUCE:   # row 0 (the only one): its columns rounded, as lanes, summed with the peers'
+        if AR_ELEM_BITS == 32:
+            lo = tl.reshape(res, [AR_LANES])
+            hi = tl.zeros_like(lo)
+        else:   # columns 2i and 2i + 1: lane i's low and high half
+            lo, hi = tl.split(tl.reshape(res, [AR_LANES, 2]))
+        bits = lane_bits(lo, hi, AR_ELEM_BITS, out_ty)
         lane_offs = pid_n * AR_LANES + tl.arange(0, AR_LANES)
         lane_mask = lane_offs < N * AR_ELEM_BITS // 32
-        bits = tl.load(out_lanes + lane_offs, mask=lane_mask, other=0)
         push_lanes(bits, lane_offs, lane_mask, ar_buffer_ptrs, tag32, parity, ar_slot_words, AR_RANK, AR_WORLD,
                    AR_STRONG)
         summed = summed_lanes(bits, lane_offs, lane_mask, ar_buffer_ptrs, tag32, parity, ar_slot_words, AR_RANK,
                               AR_WORLD, AR_ELEM_BITS, out_ty, AR_STRONG, AR_TIMEOUT_NS)
-        tl.store(out_lanes + lane_offs, summed, mask=lane_mask)
+        tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + lane_offs, summed, mask=lane_mask)
+    else:
+        out_mask = m_mask[:, None] & n_mask[None, :]
+        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], res.to(out_ty), mask=out_mask)
 
 
 _small_rows_launch = FastLaunch(_small_rows_kernel)
