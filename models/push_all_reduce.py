@@ -53,6 +53,9 @@ cost the same at 1-8 rows of 4096 bf16 (~3.6 us, NCCL ~7 us); 32 was the best of
 BLOCK = 1024
 """Lanes a program moves per iteration (4 warps, 8 a thread)."""
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MARK_BYTES = 8
+"""The end of each buffer: a random number its rank writes at set-up, which every peer reads back
+through its mapping before the first push."""
 PEER_TIMEOUT_S = 600
 """How long a program waits for a peer's words before it traps (NCCL's default watchdog time)."""
 
@@ -249,16 +252,22 @@ class PushAllReduce:
         device = self.buffer.device
         self.buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)
         self.counters = torch.zeros(PROGRAMS, dtype=torch.int64, device=device)
-        region = self.buffer_bytes(max_bytes, self.world) // 2
+        region = self.region_bytes(max_bytes, self.world)
         self.projection_buffer_ptrs = torch.tensor([b.data_ptr() + region for b in buffers], dtype=torch.int64,
                                                    device=device)
         self.tickets = torch.zeros(TICKET_GRIDS, dtype=torch.int64, device=device)
         self._ticket_of_grid: dict[int, int] = {}
 
     @staticmethod
+    def region_bytes(max_bytes: int, world: int) -> int:
+        """Bytes of one region: 2 slots x `world` ranks x a word per 4 bytes of tensor."""
+        return 2 * world * 2 * max_bytes
+
+    @staticmethod
     def buffer_bytes(max_bytes: int, world: int) -> int:
-        """Bytes of each rank's buffer: 2 regions x 2 slots x `world` ranks x a word per 4 bytes of tensor."""
-        return 2 * 2 * world * 2 * max_bytes
+        """Bytes of each rank's buffer: its 2 regions, then MARK_BYTES for the set-up's check that a
+        peer's mapping is the peer's buffer (runner/distributed/comm._exchange_buffers)."""
+        return 2 * PushAllReduce.region_bytes(max_bytes, world) + MARK_BYTES
 
     def usable(self, x: torch.Tensor) -> bool:
         """Whether `x` takes this kernel: contiguous, a float dtype it is built for, whole 32-bit

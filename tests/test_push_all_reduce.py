@@ -82,7 +82,7 @@ def test_rank0_projection_all_reduces_its_own_output_in_its_epilogue(dtype):
     push kernel; its tickets count its programs per call; the push kernel's region is untouched."""
     from models import small_batch_kernels as sbk
     reducer, own, peer = _pair()
-    region, slot_words, n = len(own) // 2, MAX_BYTES // 4, 96
+    region, slot_words, n = PushAllReduce.region_bytes(MAX_BYTES, 2) // 8, MAX_BYTES // 4, 96
     gen = torch.Generator().manual_seed(1)
     for call in (1, 2, 3):
         x, w = _exact_product(dtype, n, 16, gen)
@@ -230,6 +230,16 @@ def test_a_rank_that_cannot_allocate_says_why_and_keeps_nccl(monkeypatch, caplog
     with caplog.at_level(logging.WARNING, logger="runner.distributed.comm"):
         assert _setup_with(monkeypatch, fail, None, True) is None
     assert "push all-reduce unavailable on rank 0 (CUDA out of memory)" in caplog.text
+
+
+def test_a_peer_mapping_without_the_peers_mark_is_refused():
+    """The set-up's check that a mapped buffer is the peer's: its last word is the mark the peer
+    wrote and sent with its handle; anything else (another buffer's memory) is refused by name."""
+    buffer = torch.zeros(PushAllReduce.buffer_bytes(64, 2), dtype=torch.uint8)
+    buffer[-8:].view(torch.int64).fill_(12345)
+    comm._check_mark(buffer, 12345, 1)
+    with pytest.raises(RuntimeError, match="rank 1's push buffer, mapped here, ends with 12345, not the mark 999"):
+        comm._check_mark(buffer, 999, 1)
 
 
 def test_a_rank_that_cannot_map_its_peers_says_why_and_keeps_nccl(monkeypatch, caplog):

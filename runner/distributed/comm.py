@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -192,19 +193,38 @@ def _exchange_buffers(buffer: torch.Tensor, groups: DistributedGroups) -> list[t
     own, and the others' opened through CUDA IPC (collective over the world: each rank's handle
     goes to every rank through the control group). Not torch's symmetric memory: that keeps each
     group's store in a process-wide table by group name, and group names repeat when a process
-    builds a second engine, so its rendezvous would wait on the first engine's store."""
+    builds a second engine, so its rendezvous would wait on the first engine's store.
+    Each rank writes a random mark at the end of its buffer and sends it with its handle; a peer's
+    mapping that does not read back the peer's mark is refused (`_check_mark`): torch opens IPC
+    handles through a per-process cache keyed by the handle's bytes, and pushes into a mapping of
+    other memory would leave the peer waiting for ever."""
     from torch.multiprocessing.reductions import reduce_tensor
-    handles = all_gather_objects(reduce_tensor(buffer), groups)
+    from models.push_all_reduce import MARK_BYTES
+    mark = secrets.randbits(62) + 1
+    buffer[-MARK_BYTES:].view(torch.int64).fill_(mark)
+    torch.cuda.synchronize(buffer.device)
+    shared = all_gather_objects((reduce_tensor(buffer), mark), groups)
     mapped = []
     for rank in groups.topology.tp_group_ranks(groups.stage):
         if rank == groups.rank:
             mapped.append(buffer)
         else:
-            rebuild, args = handles[rank]   # torch.multiprocessing's rebuild_cuda_tensor and its arguments
+            (rebuild, args), peer_mark = shared[rank]   # torch.multiprocessing's rebuild_cuda_tensor and its arguments
             args = list(args)
             args[_IPC_DEVICE_ARG] = buffer.device.index   # open it in this GPU's context: peer access
-            mapped.append(rebuild(*args))
+            peer = rebuild(*args)
+            _check_mark(peer, peer_mark, rank)
+            mapped.append(peer)
     return mapped
+
+
+def _check_mark(peer: torch.Tensor, mark: int, rank: int) -> None:
+    """Raise unless the mapped buffer `peer` ends with `mark`, the number rank `rank` wrote there."""
+    from models.push_all_reduce import MARK_BYTES
+    found = int(peer[-MARK_BYTES:].view(torch.int64).item())
+    if found != mark:
+        raise RuntimeError(f"rank {rank}'s push buffer, mapped here, ends with {found}, not the mark {mark} that "
+                           f"rank wrote: the CUDA IPC mapping is of other memory")
 
 
 def push_all_reduce(max_bytes: int, device: torch.device, groups: DistributedGroups,
