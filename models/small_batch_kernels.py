@@ -8,6 +8,8 @@ add+RMSNorm and a SiLU*mul kernel per layer. Here one launch does what took two:
     norm_linear(x, residual, norm_w, eps, W, b)        = (RMSNorm(x + residual) @ W.T + b, x + residual)
     norm_gate_up_silu(x, residual, norm_w, eps, W, b)  = (silu(gate) * up, x + residual), [gate|up] = norm(..) @ W.T + b
     linear(x, W, b)                                    = x @ W.T + b   (a plain GEMV, for o_proj / down_proj)
+    linear_all_reduce(x, W, push)                      = x @ W.T summed over the tensor-parallel ranks in the
+                                                         GEMV's epilogue (one row; models/push_all_reduce.py)
     norm_qkv_rope_cache(x, residual, ..., kv_cache, slots) = norm_linear into qkv, then neox RoPE on q/k and
                                                          k/v written into the paged cache (one row only)
 
