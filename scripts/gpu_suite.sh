@@ -26,7 +26,8 @@
 #   profile     kernels and host functions of a FULL decode step (SmolLM2, Llama-3.2-1B; bs 1)
 #   pp          the multi-GPU tests (pipeline, tensor parallel, push all-reduce; two GPUs) and the Llama-3-8B
 #               shape's FULL decode step at batch 1 and 32, TP=1 against TP=2 (NCCL all-reduces), then
-#               the push all-reduce against NCCL in a graph, and TP=2 with it (batch 1, 16, 32); the
+#               the push all-reduce against NCCL in a graph, and TP=2 with it (batch 1, 16, 32; batch 1
+#               also with its sum after the o_proj / down GEMVs instead of inside them); the
 #               one-row GEMV tiles on a TP=2 rank's Llama-3-8B shards
 #   all         tests bench decode-hf attention throughput capture replay addresses
 # Raw output goes to DIR (--out, else $OUT, else bench-results/gpu-suite): suite.log holds every
@@ -177,6 +178,9 @@ for stage in "${STAGES[@]}"; do
       step tp-decode-push 180 env GRAPHRUNNER_PUSH_ALL_REDUCE_MAX_BYTES=131072 "${BENCH[@]}" decode \
         --shapes llama-3-8b --modes FULL --batch-sizes 1 16 32 --tensor-parallel-size 2 --no-hf --no-plot \
         --out "$OUT_DIR/tp-decode-push"
+      step tp-decode-push-after-gemv 180 env GRAPHRUNNER_PUSH_ALL_REDUCE_MAX_BYTES=131072 \
+        GRAPHRUNNER_PUSH_ALL_REDUCE_IN_GEMV=0 "${BENCH[@]}" decode --shapes llama-3-8b --modes FULL --batch-sizes 1 \
+        --tensor-parallel-size 2 --no-hf --no-plot --out "$OUT_DIR/tp-decode-push-after-gemv"
       ;;
   esac
 done
