@@ -142,7 +142,7 @@ def tag_of_call(call):
 
 @triton.jit
 def push_lanes(bits, offs, mask, buffer_ptrs, tag32, parity, slot_words,
-                RANK: tl.constexpr, WORLD: tl.constexpr, STRONG: tl.constexpr):
+               RANK: tl.constexpr, WORLD: tl.constexpr, STRONG: tl.constexpr):
     """Store this rank's lanes `bits` (int32, at lane offsets `offs`) as tagged words into slot
     [parity][RANK] of every peer's buffer."""
     words = (tag32.to(tl.int64) << 32) | (bits.to(tl.int64) & 0xFFFFFFFF)
@@ -154,8 +154,8 @@ def push_lanes(bits, offs, mask, buffer_ptrs, tag32, parity, slot_words,
 
 @triton.jit
 def summed_lanes(bits, offs, mask, buffer_ptrs, tag32, parity, slot_words,
-                  RANK: tl.constexpr, WORLD: tl.constexpr, ELEM_BITS: tl.constexpr, DTYPE: tl.constexpr,
-                  STRONG: tl.constexpr, TIMEOUT_NS: tl.constexpr):
+                 RANK: tl.constexpr, WORLD: tl.constexpr, ELEM_BITS: tl.constexpr, DTYPE: tl.constexpr,
+                 STRONG: tl.constexpr, TIMEOUT_NS: tl.constexpr):
     """The lanes at `offs` summed over the ranks: this rank's `bits` and, polled from slot
     [parity][peer] of its own buffer until every word carries the tag, each peer's, added in fp32
     in rank order (the same sum, bit for bit, on every rank) and rounded to DTYPE."""
@@ -256,7 +256,8 @@ class PushAllReduce:
         self.projection_buffer_ptrs = torch.tensor([b.data_ptr() + region for b in buffers], dtype=torch.int64,
                                                    device=device)
         self.tickets = torch.zeros(TICKET_GRIDS, dtype=torch.int64, device=device)
-        self._ticket_of_grid: dict[int, int] = {}
+        self._projection_reduces: dict[int, ProjectionReduce] = {}
+        """Per grid size, in first-call order (the same on every rank): its call counter and the rest."""
 
     @staticmethod
     def region_bytes(max_bytes: int, world: int) -> int:
@@ -285,15 +286,16 @@ class PushAllReduce:
         grid sizes than TICKET_GRIDS, or `in_gemv` off): the caller then all-reduces the output
         afterwards. Decided from sizes alone, in the same order on every rank, so the ranks agree on
         the counters too."""
-        if not self.in_gemv or dtype not in DTYPES or device != self.buffer.device or not 0 < out_bytes <= self.max_bytes or out_bytes % 4:
+        if (not self.in_gemv or dtype not in DTYPES or device != self.buffer.device
+                or not 0 < out_bytes <= self.max_bytes or out_bytes % 4):
             return None
-        index = self._ticket_of_grid.get(grid)
-        if index is None:
-            if len(self._ticket_of_grid) == TICKET_GRIDS:
-                return None
-            index = self._ticket_of_grid[grid] = len(self._ticket_of_grid)
-        return ProjectionReduce(self.projection_buffer_ptrs, self.tickets[index:index + 1], self.max_bytes // 4,
-                                self.rank, self.world, device.type == "cuda")
+        reduce = self._projection_reduces.get(grid)
+        if reduce is None and len(self._projection_reduces) < TICKET_GRIDS:
+            index = len(self._projection_reduces)
+            reduce = self._projection_reduces[grid] = ProjectionReduce(
+                self.projection_buffer_ptrs, self.tickets[index:index + 1], self.max_bytes // 4, self.rank, self.world,
+                device.type == "cuda")
+        return reduce
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the group, in place (a program reads its lanes of x before it writes them)."""

@@ -391,7 +391,7 @@ def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, push: PushAllReduce
         return None
     n, k = weight.shape
     _, block_n, _, _ = block_sizes(1, n, k, x.dtype, x.device)
-    bits = 8 * x.element_size()
+    bits = 8 * x.dtype.itemsize
     if n % block_n or block_n * bits % 32:
         return None
     reduce = push.projection_reduce(n * x.element_size(), x.dtype, x.device, triton.cdiv(n, block_n))
@@ -405,7 +405,7 @@ def _reduce_constants(reduce: ProjectionReduce | None, dtype: torch.dtype, block
     values when it does not all-reduce, so those variants compile once."""
     if reduce is None:
         return 0, 1, 32, 1, False, 0
-    bits = torch.finfo(dtype).bits
+    bits = 8 * dtype.itemsize
     return reduce.rank, reduce.world, bits, block_n * bits // 32, reduce.strong, PEER_TIMEOUT_S * 10**9
 
 

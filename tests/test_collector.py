@@ -15,7 +15,7 @@ from runner.collector import frozen_heap
 
 
 class Node:
-    pass
+    """A plain object the collector tracks (it has a __dict__)."""
 
 
 def _in_a_generation(obj) -> bool:
