@@ -25,8 +25,9 @@ tag in a word has that word's data. Per program j of a grid that is the same for
 Two slots suffice: a rank writes a peer's slot (parity p) again two calls later, which it reaches
 only after that peer pushed the call in between, i.e. after the peer's reads of that slot ended.
 A word left from two calls before carries another tag, so stale data is never taken for new.
-A peer that never arrives (crashed mid-step) makes the kernel trap after PEER_TIMEOUT_S, which
-surfaces as a CUDA error on this rank instead of a hang.
+A peer that never arrives (crashed mid-step) makes the kernel trap after the TP group's timeout
+(`peer_timeout_s`: ParallelConfig.distributed_init_timeout_s, the time NCCL's collectives of the
+same group are given), which surfaces as a CUDA error on this rank instead of a hang.
 
 The same protocol also runs inside a GEMV: a one-row o_proj / down_proj sums its own output in its
 epilogue (models/small_batch_kernels.linear_all_reduce, `push_lanes` and `summed_lanes` here), so
@@ -57,7 +58,8 @@ MARK_BYTES = 8
 """The end of each buffer: a random number its rank writes at set-up, which every peer reads back
 through its mapping before the first push."""
 PEER_TIMEOUT_S = 600
-"""How long a program waits for a peer's words before it traps (NCCL's default watchdog time)."""
+"""How long a program waits for a peer's words before it traps, where no timeout is given
+(torch's default for a process group); an engine passes its TP group's."""
 
 
 @triton.jit
@@ -222,6 +224,7 @@ class ProjectionReduce(NamedTuple):
     rank: int
     world: int
     strong: bool
+    timeout_ns: int
 
 
 TICKET_GRIDS = 4
@@ -235,9 +238,11 @@ class PushAllReduce:
     twice that: one 64-bit word per 32-bit lane). A buffer has two regions of two slots: one for
     this module's kernel, one for the GEMVs that all-reduce their own output (`projection_reduce`),
     since each counts its calls, and so tags its words, on its own. `in_gemv` False: no GEMV does
-    (ParallelConfig.push_all_reduce_in_gemv)."""
+    (ParallelConfig.push_all_reduce_in_gemv). `peer_timeout_s`: how long a program waits for a
+    peer's words before it traps (a compile-time constant of the kernels)."""
 
-    def __init__(self, buffers: list[torch.Tensor], rank: int, max_bytes: int, in_gemv: bool = True) -> None:
+    def __init__(self, buffers: list[torch.Tensor], rank: int, max_bytes: int, in_gemv: bool = True,
+                 peer_timeout_s: float = PEER_TIMEOUT_S) -> None:
         need = self.buffer_bytes(max_bytes, len(buffers))
         for b in buffers:
             if b.numel() * b.element_size() < need:
@@ -249,6 +254,7 @@ class PushAllReduce:
         self.rank = rank
         self.max_bytes = max_bytes
         self.in_gemv = in_gemv
+        self.timeout_ns = int(peer_timeout_s * 10**9)
         device = self.buffer.device
         self.buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)
         self.counters = torch.zeros(PROGRAMS, dtype=torch.int64, device=device)
@@ -294,7 +300,7 @@ class PushAllReduce:
             index = len(self._projection_reduces)
             reduce = self._projection_reduces[grid] = ProjectionReduce(
                 self.projection_buffer_ptrs, self.tickets[index:index + 1], self.max_bytes // 4, self.rank, self.world,
-                device.type == "cuda")
+                device.type == "cuda", self.timeout_ns)
         return reduce
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
@@ -302,6 +308,6 @@ class PushAllReduce:
         strong = x.device.type == "cuda"
         launch(_push_all_reduce_kernel, (PROGRAMS,), x, x.numel() * x.element_size() // 4, self.buffer_ptrs,
                self.counters, self.max_bytes // 4, RANK=self.rank, WORLD=self.world,
-               ELEM_BITS=8 * x.element_size(), BLOCK=BLOCK, STRONG=strong, TIMEOUT_NS=PEER_TIMEOUT_S * 10**9,
+               ELEM_BITS=8 * x.element_size(), BLOCK=BLOCK, STRONG=strong, TIMEOUT_NS=self.timeout_ns,
                num_warps=4, **pdl_options(x.device))
         return x

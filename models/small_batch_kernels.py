@@ -51,7 +51,7 @@ import triton.language as tl
 from configs.kernel_config import active_kernel_config
 from launch.fast_launch import FastLaunch, num_sms
 from launch.pdl import use_pdl, wait_for_producers
-from models.push_all_reduce import (PEER_TIMEOUT_S, ProjectionReduce, PushAllReduce, lane_bits, push_lanes,
+from models.push_all_reduce import (ProjectionReduce, PushAllReduce, lane_bits, push_lanes,
                                     summed_lanes, tag_of_call)
 
 MAX_ROWS = 32
@@ -406,7 +406,7 @@ def _reduce_constants(reduce: ProjectionReduce | None, dtype: torch.dtype, block
     if reduce is None:
         return 0, 1, 32, 1, False, 0
     bits = 8 * dtype.itemsize
-    return reduce.rank, reduce.world, bits, block_n * bits // 32, reduce.strong, PEER_TIMEOUT_S * 10**9
+    return reduce.rank, reduce.world, bits, block_n * bits // 32, reduce.strong, reduce.timeout_ns
 
 
 

@@ -232,6 +232,23 @@ def test_a_rank_that_cannot_allocate_says_why_and_keeps_nccl(monkeypatch, caplog
     assert "push all-reduce unavailable on rank 0 (CUDA out of memory)" in caplog.text
 
 
+def test_the_engine_gives_its_tp_timeout_to_both_kernels(monkeypatch):
+    """A peer that never pushes fails the step after the TP group's timeout, as NCCL would: the set-up
+    hands `peer_timeout_s` to the all-reduce kernel and to every GEMV that all-reduces itself."""
+    from models.small_batch_kernels import _reduce_constants
+    buffer = torch.zeros(PushAllReduce.buffer_bytes(64, 2), dtype=torch.uint8)
+    monkeypatch.setattr(comm, "_allocate_buffer", lambda nbytes, device: buffer)
+    monkeypatch.setattr(comm, "_exchange_buffers", lambda b, groups: [b, b.clone()])
+    monkeypatch.setattr(comm, "all_reduce_min", lambda value, groups: value)
+    reducer = comm.push_all_reduce(64, torch.device("cuda", 0), _groups(), peer_timeout_s=7.5)
+    assert reducer.timeout_ns == 7_500_000_000
+    reduce = reducer.projection_reduce(64, torch.bfloat16, buffer.device, grid=16)
+    assert reduce.timeout_ns == 7_500_000_000
+    assert _reduce_constants(reduce, torch.bfloat16, 2)[-1] == 7_500_000_000
+    default = comm.push_all_reduce(64, torch.device("cuda", 0), _groups())
+    assert default.timeout_ns == 600 * 10**9
+
+
 def test_a_peer_mapping_without_the_peers_mark_is_refused():
     """The set-up's check that a mapped buffer is the peer's: its last word is the mark the peer
     wrote and sent with its handle; anything else (another buffer's memory) is refused by name."""
@@ -317,4 +334,50 @@ def test_multigpu_push_all_reduce_equals_nccl():
         port = s.getsockname()[1]
     failures = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_against_nccl, args=(port, failures), nprocs=2, start_method="spawn", join=True)
+    assert failures.empty(), failures.get()
+
+
+def _peer_never_pushes(rank: int, port: int, failures) -> None:
+    """Rank 0 all-reduces while rank 1 never does: the kernel must end in a CUDA error after the
+    3 s peer timeout, not wait for ever. (The GEMVs that all-reduce themselves poll through the same
+    `summed_lanes` with the same timeout: test_the_engine_gives_its_tp_timeout_to_both_kernels.)
+    Rank 1 hosts the store, so rank 0 may exit at once; neither tears its groups down, as rank 0's
+    CUDA context is lost."""
+    import datetime
+    import time
+    import torch.distributed as dist
+    comm.set_distributed_env()
+    torch.cuda.set_device(rank)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 1, timeout=datetime.timedelta(seconds=120))
+    groups = comm.init_groups("nccl", rank, Topology(tp_size=2, pp_size=1), 120.0, store)
+    reducer = comm.push_all_reduce(1 << 16, torch.device("cuda", rank), groups, peer_timeout_s=3.0)
+    if rank == 1:
+        store.wait(["rank 0 done"], datetime.timedelta(seconds=120))   # pushes nothing meanwhile
+        os._exit(0)
+    x = torch.ones(1, 4096, dtype=torch.bfloat16, device="cuda")
+    started = time.monotonic()
+    try:
+        reducer.all_reduce_(x)
+        torch.cuda.synchronize()
+        failures.put("the all-reduce returned without the peer's words")
+    except RuntimeError as error:   # the trap
+        waited = time.monotonic() - started
+        if "CUDA" not in str(error) or not 3.0 <= waited < 60.0:
+            failures.put(f"after {waited:.1f} s: {error}")
+    finally:
+        store.set("rank 0 done", "1")
+        os._exit(0)
+
+
+@pytest.mark.multigpu
+def test_multigpu_a_peer_that_never_pushes_fails_the_step_after_the_timeout():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    failures = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_peer_never_pushes, args=(port, failures), nprocs=2, start_method="spawn", join=True)
     assert failures.empty(), failures.get()

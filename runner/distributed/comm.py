@@ -228,7 +228,7 @@ def _check_mark(peer: torch.Tensor, mark: int, rank: int) -> None:
 
 
 def push_all_reduce(max_bytes: int, device: torch.device, groups: DistributedGroups,
-                    in_gemv: bool = True) -> PushAllReduce | None:
+                    in_gemv: bool = True, peer_timeout_s: float | None = None) -> PushAllReduce | None:
     """This rank's push all-reduce for its TP group's small all-reduces (models/push_all_reduce.py),
     or None: NCCL does them all. Only for CUDA tensor parallelism with `max_bytes` > 0. Collective
     over the world: every rank allocates its zeroed buffer, all agree that every allocation
@@ -236,10 +236,13 @@ def push_all_reduce(max_bytes: int, device: torch.device, groups: DistributedGro
     waiting in an exchange the others skip), the buffers are mapped into every rank of their TP
     group, and no rank returns before every buffer is zeroed and mapped (no word from before may
     carry a tag the first calls expect). `in_gemv`: one-row projections may all-reduce in their GEMV
-    (ParallelConfig.push_all_reduce_in_gemv)."""
+    (ParallelConfig.push_all_reduce_in_gemv). `peer_timeout_s`: how long its kernels wait for a
+    peer's words before they trap; an engine gives its TP group's timeout, so a peer that never
+    comes fails a step after the same time with the push kernel as with NCCL (None: the module's
+    PEER_TIMEOUT_S)."""
     if device.type != "cuda" or groups.tp_group is None or max_bytes <= 0:
         return None
-    from models.push_all_reduce import PushAllReduce
+    from models.push_all_reduce import PEER_TIMEOUT_S, PushAllReduce
     try:
         nbytes = PushAllReduce.buffer_bytes(max_bytes, groups.topology.tp_size)
         buffer, error = _allocate_buffer(nbytes, device), None
@@ -253,7 +256,8 @@ def push_all_reduce(max_bytes: int, device: torch.device, groups: DistributedGro
         buffers, error = None, caught
     if not _every_rank_could(buffers is not None, error, groups):   # also the barrier
         return None
-    return PushAllReduce(buffers, groups.tp_rank, max_bytes, in_gemv=in_gemv)
+    return PushAllReduce(buffers, groups.tp_rank, max_bytes, in_gemv=in_gemv,
+                         peer_timeout_s=PEER_TIMEOUT_S if peer_timeout_s is None else peer_timeout_s)
 
 
 def _every_rank_could(done: bool, error: Exception | None, groups: DistributedGroups) -> bool:

@@ -48,8 +48,9 @@ def start_rank(config: EngineConfig, spec: ModelSpec, model_path: str, device: t
     a KV cache, agree on the smallest block count, allocate exactly that, capture, agree that
     every rank's graphs are ready. Returns (runner, agreed block count). The TP group's push
     all-reduce is set up first (collective), so the KV budget counts its buffer."""
-    push = push_all_reduce(config.parallel.push_all_reduce_max_bytes, device, groups,
-                           in_gemv=config.parallel.push_all_reduce_in_gemv)
+    parallel = config.parallel
+    push = push_all_reduce(parallel.push_all_reduce_max_bytes, device, groups, in_gemv=parallel.push_all_reduce_in_gemv,
+                           peer_timeout_s=parallel.distributed_init_timeout_s)
     set_tensor_parallel_group(groups.tp_rank, groups.topology.tp_size, groups.tp_group, push)
     with frozen_heap():   # its collections walk only what it allocates (runner/collector.py)
         runner = ModelRunner(config, spec, model_path, device, dtype, max_model_len, layer_range=layer_range)
