@@ -29,6 +29,9 @@
 #               the push all-reduce against NCCL in a graph, and TP=2 with it (batch 1, 16, 32; batch 1
 #               also with its sum after the o_proj / down GEMVs instead of inside them); the
 #               one-row GEMV tiles on a TP=2 rank's Llama-3-8B shards
+#   tp-soak     the multi-GPU tensor-parallel tests TP_SOAK_RUNS times (default 5), every other run with
+#               empty kernel caches, each run's log kept and a stalled run's Python stacks dumped
+#               (scripts/tp_soak.sh; the push all-reduce's rare stall, docs/PARALLEL.md)
 #   all         tests bench decode-hf attention throughput capture replay addresses
 # Raw output goes to DIR (--out, else $OUT, else bench-results/gpu-suite): suite.log holds every
 # step's output, DIR/<step>/ its JSON and plots. Printed last: each step's exit code and time, then
@@ -50,7 +53,7 @@ if [[ " ${STAGES[*]} " == *" all "* ]]; then
 fi
 for stage in "${STAGES[@]}"; do
   case $stage in
-    tests|bench|decode-hf|attention|throughput|features|startup|capture|replay|addresses|profile|pp) ;;
+    tests|bench|decode-hf|attention|throughput|features|startup|capture|replay|addresses|profile|pp|tp-soak) ;;
     *) echo "unknown stage '$stage' (see bash scripts/gpu_suite.sh --help)" >&2; exit 2 ;;
   esac
 done
@@ -181,6 +184,10 @@ for stage in "${STAGES[@]}"; do
       step tp-decode-push-after-gemv 180 env GRAPHRUNNER_PUSH_ALL_REDUCE_MAX_BYTES=131072 \
         GRAPHRUNNER_PUSH_ALL_REDUCE_IN_GEMV=0 "${BENCH[@]}" decode --shapes llama-3-8b --modes FULL --batch-sizes 1 \
         --tensor-parallel-size 2 --no-hf --no-plot --out "$OUT_DIR/tp-decode-push-after-gemv"
+      ;;
+    tp-soak)
+      runs=${TP_SOAK_RUNS:-5}
+      step tp-soak $((runs * 340 + 10)) bash scripts/tp_soak.sh "$OUT_DIR/tp-soak" "$runs"
       ;;
   esac
 done

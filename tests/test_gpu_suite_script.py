@@ -1,6 +1,8 @@
 """scripts/gpu_suite.sh on a CPU: its stages are named for what they measure, a wrong stage is
 refused before anything runs, and a stage that runs without a GPU (the address check) writes its
-raw output under --out and ends with the table of steps."""
+raw output under --out and ends with the table of steps. scripts/tp_soak.sh (the tp-soak stage)
+keeps every run's log, reports each run, and kills a run past its time limit after dumping what
+it can of it."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ SUITE = Path(__file__).resolve().parent.parent / "scripts" / "gpu_suite.sh"
 ENV = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
 """The suite runs `python3`: the environment's of this test run (a project .venv need not be active)."""
 STAGES = {"tests", "bench", "decode-hf", "attention", "throughput", "features", "startup", "capture", "replay", "addresses",
-          "profile", "pp"}
+          "profile", "pp", "tp-soak"}
+SOAK = SUITE.parent / "tp_soak.sh"
 
 
 def test_stages_are_the_documented_ones():
@@ -40,3 +43,22 @@ def test_addresses_stage_writes_under_out_and_prints_the_step_table(tmp_path):
     assert re.search(r"\| addresses +\| 0 +\|", done.stdout.splitlines()[-1])
     assert json.loads((tmp_path / "addresses" / "addresses.json").read_text())["tensors"] == 80
     assert "===== addresses:" in (tmp_path / "suite.log").read_text()
+
+
+def test_soak_keeps_each_runs_log_and_reports_it(tmp_path):
+    """Without two GPUs the multigpu tests skip, so a run passes at once: one line per run, the
+    first with empty kernel caches."""
+    done = subprocess.run(["bash", str(SOAK), str(tmp_path), "2"], capture_output=True, text=True, timeout=300, env=ENV)
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("run ")]
+    assert [line.split(":")[0] for line in lines] == ["run 1 (empty caches)", "run 2 (warm caches)"]
+    assert all("skipped" in line and "rc 0" in line for line in lines)
+    assert "tests/test_tensor_parallel.py" in (tmp_path / "run1.log").read_text()
+
+
+def test_soak_kills_a_run_past_its_limit_and_stops(tmp_path):
+    done = subprocess.run(["bash", str(SOAK), str(tmp_path), "3"], capture_output=True, text=True, timeout=120,
+                          env=dict(ENV, RUN_S="2", STALL_S="1"))
+    assert done.returncode == 1
+    assert "run 1 (empty caches): killed after 2 s" in done.stdout and "run 2" not in done.stdout
+    assert (tmp_path / "run1-stacks" / "killed" / "gpus.txt").exists()

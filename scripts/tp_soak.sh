@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The multi-GPU tensor-parallel tests run again and again, to catch a rare stall of the push
+# all-reduce (docs/PARALLEL.md, "Push all-reduce"):
+#   bash scripts/tp_soak.sh DIR [RUNS]          (RUNS default 5; gpu_suite.sh's tp-soak stage)
+# Each run is `pytest -m multigpu tests/test_push_all_reduce.py tests/test_tensor_parallel.py` in a
+# fresh process; odd runs start with empty kernel caches (a fresh GRAPHRUNNER_CACHE_DIR and
+# TRITON_CACHE_DIR), the condition of the stalls seen so far. Every run's output is kept in
+# DIR/runK.log. While a run is past STALL_S seconds (default 150; a run takes 60-120 s on two H100s
+# or H200s), the Python stacks of every python3 process are dumped every 20 s into DIR/runK-stacks/
+# with py-spy, where it is installed: a push call stuck for the TP group's timeout (120 s) then
+# traps, so the stacks are taken before it. A run past RUN_S seconds (default 330) is killed and the
+# soak stops there. Prints one line per run: the pytest summary and the seconds it took. Exits 1
+# if a run failed or was killed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DIR=${1:?usage: bash scripts/tp_soak.sh DIR [RUNS]}
+RUNS=${2:-5}
+STALL_S=${STALL_S:-150}
+RUN_S=${RUN_S:-330}
+mkdir -p "$DIR"
+SPY=$(command -v py-spy || true)
+[[ -n $SPY ]] || echo "py-spy not found: a stalled run is killed without its stacks"
+
+dump_stacks() {  # dump_stacks FOLDER: every python3 process's Python stacks, and the GPUs' load
+  mkdir -p "$1"
+  nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader > "$1/gpus.txt" 2>&1
+  [[ -n $SPY ]] || return 0
+  local pid
+  for pid in $(pgrep -f python3); do timeout 10 "$SPY" dump --pid "$pid" > "$1/$pid.txt" 2>&1; done
+}
+
+failed=0
+for ((run = 1; run <= RUNS; run++)); do
+  caches=()
+  kind=warm
+  if ((run % 2)); then
+    empty=$(mktemp -d)
+    caches=(GRAPHRUNNER_CACHE_DIR="$empty" TRITON_CACHE_DIR="$empty/triton")
+    kind=empty
+  fi
+  start=$SECONDS
+  env "${caches[@]}" python3 -m pytest -v -p no:cacheprovider -m multigpu -rA --durations=0 \
+    tests/test_push_all_reduce.py tests/test_tensor_parallel.py > "$DIR/run$run.log" 2>&1 &
+  pid=$!
+  next_dump=$STALL_S
+  while kill -0 "$pid" 2>/dev/null && ((SECONDS - start < RUN_S)); do
+    sleep 2
+    if ((SECONDS - start >= next_dump)); then
+      dump_stacks "$DIR/run$run-stacks/t$((SECONDS - start))"
+      next_dump=$((next_dump + 20))
+    fi
+  done
+  if kill -0 "$pid" 2>/dev/null; then
+    dump_stacks "$DIR/run$run-stacks/killed"
+    pkill -9 -P "$pid"; kill -9 "$pid"
+    echo "run $run ($kind caches): killed after $RUN_S s; stacks in $DIR/run$run-stacks"
+    exit 1
+  fi
+  wait "$pid"
+  rc=$?
+  ((rc == 0)) || failed=1
+  echo "run $run ($kind caches): $(grep -E '^=+ .* in [0-9.]+s' "$DIR/run$run.log" | tail -1 | tr -d '=' | xargs) [$((SECONDS - start)) s, rc $rc]"
+  [[ -n ${empty:-} ]] && rm -rf "$empty" && empty=""
+done
+exit $failed
