@@ -239,10 +239,10 @@ class PushAllReduce:
     this module's kernel, one for the GEMVs that all-reduce their own output (`projection_reduce`),
     since each counts its calls, and so tags its words, on its own. `in_gemv` False: no GEMV does
     (ParallelConfig.push_all_reduce_in_gemv). `peer_timeout_s`: how long a program waits for a
-    peer's words before it traps (a compile-time constant of the kernels)."""
+    peer's words before it traps (a compile-time constant of the kernels; None: PEER_TIMEOUT_S)."""
 
     def __init__(self, buffers: list[torch.Tensor], rank: int, max_bytes: int, in_gemv: bool = True,
-                 peer_timeout_s: float = PEER_TIMEOUT_S) -> None:
+                 peer_timeout_s: float | None = None) -> None:
         need = self.buffer_bytes(max_bytes, len(buffers))
         for b in buffers:
             if b.numel() * b.element_size() < need:
@@ -254,7 +254,7 @@ class PushAllReduce:
         self.rank = rank
         self.max_bytes = max_bytes
         self.in_gemv = in_gemv
-        self.timeout_ns = int(peer_timeout_s * 10**9)
+        self.timeout_ns = int((PEER_TIMEOUT_S if peer_timeout_s is None else peer_timeout_s) * 10**9)
         device = self.buffer.device
         self.buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)
         self.counters = torch.zeros(PROGRAMS, dtype=torch.int64, device=device)

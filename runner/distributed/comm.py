@@ -238,11 +238,11 @@ def push_all_reduce(max_bytes: int, device: torch.device, groups: DistributedGro
     carry a tag the first calls expect). `in_gemv`: one-row projections may all-reduce in their GEMV
     (ParallelConfig.push_all_reduce_in_gemv). `peer_timeout_s`: how long its kernels wait for a
     peer's words before they trap; an engine gives its TP group's timeout, so a peer that never
-    comes fails a step after the same time with the push kernel as with NCCL (None: the module's
-    PEER_TIMEOUT_S)."""
+    comes fails a step after the same time with the push kernel as with NCCL (None: the kernels'
+    default, models/push_all_reduce.PEER_TIMEOUT_S)."""
     if device.type != "cuda" or groups.tp_group is None or max_bytes <= 0:
         return None
-    from models.push_all_reduce import PEER_TIMEOUT_S, PushAllReduce
+    from models.push_all_reduce import PushAllReduce
     try:
         nbytes = PushAllReduce.buffer_bytes(max_bytes, groups.topology.tp_size)
         buffer, error = _allocate_buffer(nbytes, device), None
@@ -256,8 +256,7 @@ def push_all_reduce(max_bytes: int, device: torch.device, groups: DistributedGro
         buffers, error = None, caught
     if not _every_rank_could(buffers is not None, error, groups):   # also the barrier
         return None
-    return PushAllReduce(buffers, groups.tp_rank, max_bytes, in_gemv=in_gemv,
-                         peer_timeout_s=PEER_TIMEOUT_S if peer_timeout_s is None else peer_timeout_s)
+    return PushAllReduce(buffers, groups.tp_rank, max_bytes, in_gemv=in_gemv, peer_timeout_s=peer_timeout_s)
 
 
 def _every_rank_could(done: bool, error: Exception | None, groups: DistributedGroups) -> bool:
