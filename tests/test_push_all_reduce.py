@@ -323,8 +323,9 @@ def _against_nccl(rank: int, port: int, failures) -> None:
         comm.destroy_groups(groups)
 
 
-@pytest.mark.multigpu
-def test_multigpu_push_all_reduce_equals_nccl():
+def _on_two_gpus(rank_fn) -> None:
+    """`rank_fn(rank, port, failures)` in two spawned processes, one per GPU; a failure either puts
+    into the queue is the test's."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     import socket
@@ -333,8 +334,13 @@ def test_multigpu_push_all_reduce_equals_nccl():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     failures = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_against_nccl, args=(port, failures), nprocs=2, start_method="spawn", join=True)
+    mp.start_processes(rank_fn, args=(port, failures), nprocs=2, start_method="spawn", join=True)
     assert failures.empty(), failures.get()
+
+
+@pytest.mark.multigpu
+def test_multigpu_push_all_reduce_equals_nccl():
+    _on_two_gpus(_against_nccl)
 
 
 def _peer_never_pushes(rank: int, port: int, failures) -> None:
@@ -371,13 +377,4 @@ def _peer_never_pushes(rank: int, port: int, failures) -> None:
 
 @pytest.mark.multigpu
 def test_multigpu_a_peer_that_never_pushes_fails_the_step_after_the_timeout():
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs")
-    import socket
-    import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    failures = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_peer_never_pushes, args=(port, failures), nprocs=2, start_method="spawn", join=True)
-    assert failures.empty(), failures.get()
+    _on_two_gpus(_peer_never_pushes)
