@@ -32,6 +32,7 @@ dump_stacks() {  # dump_stacks FOLDER: every python3 process's Python stacks, an
 failed=0
 for ((run = 1; run <= RUNS; run++)); do
   caches=()
+  empty=""
   kind=warm
   if ((run % 2)); then
     empty=$(mktemp -d)
@@ -53,6 +54,7 @@ for ((run = 1; run <= RUNS; run++)); do
   if kill -0 "$pid" 2>/dev/null; then
     dump_stacks "$DIR/run$run-stacks/killed"
     pkill -9 -P "$pid"; kill -9 "$pid"
+    [[ -z $empty ]] || rm -rf "$empty"
     echo "run $run ($kind caches): killed after $RUN_S s; stacks in $DIR/run$run-stacks"
     exit 1
   fi
@@ -60,6 +62,6 @@ for ((run = 1; run <= RUNS; run++)); do
   rc=$?
   ((rc == 0)) || failed=1
   echo "run $run ($kind caches): $(grep -E '^=+ .* in [0-9.]+s' "$DIR/run$run.log" | tail -1 | tr -d '=' | xargs) [$((SECONDS - start)) s, rc $rc]"
-  [[ -n ${empty:-} ]] && rm -rf "$empty" && empty=""
+  [[ -z $empty ]] || rm -rf "$empty"
 done
 exit $failed
