@@ -57,6 +57,13 @@ def tensor_parallel_group() -> TensorParallelGroup:
     return _GROUP
 
 
+def push_all_reduce_timeouts() -> list[str]:
+    """What this rank's push all-reduce kernels recorded before they trapped on a peer that did not
+    come (models/push_all_reduce.PushAllReduce.timeouts); empty when none did or there is none. It
+    reads host memory only, so it works after the trap has destroyed the CUDA context."""
+    return [] if _GROUP.push is None else _GROUP.push.timeouts()
+
+
 def tensor_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over the tensor-parallel group, in place; the identity for a single rank. Small
     tensors take the push all-reduce where there is one (models/push_all_reduce.py)."""

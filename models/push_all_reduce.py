@@ -27,7 +27,11 @@ only after that peer pushed the call in between, i.e. after the peer's reads of 
 A word left from two calls before carries another tag, so stale data is never taken for new.
 A peer that never arrives (crashed mid-step) makes the kernel trap after the TP group's timeout
 (`peer_timeout_s`: ParallelConfig.distributed_init_timeout_s, the time NCCL's collectives of the
-same group are given), which surfaces as a CUDA error on this rank instead of a hang.
+same group are given), which surfaces as a CUDA error on this rank instead of a hang. Before it
+traps, the program writes what it waited for into a record in pinned host memory, which outlives
+the CUDA context the trap destroys (`PushAllReduce.timeouts`: the call, the peer, and the tags
+the peer's two slots held), so the error can say whether the peer never came or came with
+another call count.
 
 The same protocol also runs inside a GEMV: a one-row o_proj / down_proj sums its own output in its
 epilogue (models/small_batch_kernels.linear_all_reduce, `push_lanes` and `summed_lanes` here), so
@@ -60,6 +64,15 @@ through its mapping before the first push."""
 PEER_TIMEOUT_S = 600
 """How long a program waits for a peer's words before it traps, where no timeout is given
 (torch's default for a process group); an engine passes its TP group's."""
+TIMEOUT_RECORDS = 8
+"""Rows of the timeout record: a program that times out writes row (its column tile or program
+id) % TIMEOUT_RECORDS."""
+TIMEOUT_FIELDS = 8
+"""A row: written (1), site (0: the all-reduce kernel, 1: a GEMV's epilogue), rank, peer, the
+call it waited for, the lowest and highest call found in the peer's slot of that call's parity,
+the highest call found in the other parity's slot. A call's tag is its count."""
+_RECORD_ROWS = tl.constexpr(TIMEOUT_RECORDS)
+_RECORD_FIELDS = tl.constexpr(TIMEOUT_FIELDS)
 
 
 @triton.jit
@@ -112,6 +125,35 @@ def _trap():
 
 
 @triton.jit
+def _fence_system():
+    tl.inline_asm_elementwise("fence.sc.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def record_timeout(buffer_ptrs, program, tag32, source, words, other_words, mask,
+                   SITE: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, STRONG: tl.constexpr):
+    """Write this program's timeout row (TIMEOUT_FIELDS) into the record at buffer_ptrs[WORLD]
+    (pinned host memory); STRONG: fenced at system scope, so it reaches the host before the trap.
+    `words` / `other_words`: the peer's words last polled from the call's slot / the other slot."""
+    record = tl.load(buffer_ptrs + WORLD).to(tl.pointer_type(tl.int64))
+    row = record + (program % _RECORD_ROWS) * _RECORD_FIELDS
+    found = (words >> 32) & 0xFFFFFFFF
+    waiting = (found != tag32) & mask
+    tl.store(row + 1, SITE)
+    tl.store(row + 2, RANK)
+    tl.store(row + 3, source)
+    tl.store(row + 4, tag32.to(tl.int64))
+    tl.store(row + 5, tl.min(tl.where(waiting, found, 0xFFFFFFFF), axis=0))
+    tl.store(row + 6, tl.max(tl.where(waiting, found, 0), axis=0))
+    tl.store(row + 7, tl.max(tl.where(mask, (other_words >> 32) & 0xFFFFFFFF, 0), axis=0))
+    if STRONG:
+        _fence_system()
+    tl.store(row, 1)
+    if STRONG:
+        _fence_system()
+
+
+@triton.jit
 def _lane_values(bits, ELEM_BITS: tl.constexpr, DTYPE: tl.constexpr):
     """A 32-bit lane's values in fp32: (value, 0) for fp32, (low half, high half) for 16-bit types."""
     if ELEM_BITS == 32:
@@ -155,12 +197,13 @@ def push_lanes(bits, offs, mask, buffer_ptrs, tag32, parity, slot_words,
 
 
 @triton.jit
-def summed_lanes(bits, offs, mask, buffer_ptrs, tag32, parity, slot_words,
+def summed_lanes(bits, offs, mask, buffer_ptrs, tag32, parity, slot_words, program,
                  RANK: tl.constexpr, WORLD: tl.constexpr, ELEM_BITS: tl.constexpr, DTYPE: tl.constexpr,
-                 STRONG: tl.constexpr, TIMEOUT_NS: tl.constexpr):
+                 STRONG: tl.constexpr, TIMEOUT_NS: tl.constexpr, SITE: tl.constexpr):
     """The lanes at `offs` summed over the ranks: this rank's `bits` and, polled from slot
     [parity][peer] of its own buffer until every word carries the tag, each peer's, added in fp32
-    in rank order (the same sum, bit for bit, on every rank) and rounded to DTYPE."""
+    in rank order (the same sum, bit for bit, on every rank) and rounded to DTYPE. After TIMEOUT_NS
+    without them: the timeout record's row of `program` (`record_timeout`, SITE), then a trap."""
     own_words = tl.load(buffer_ptrs + RANK).to(tl.pointer_type(tl.int64))
     acc_lo = tl.zeros(bits.shape, dtype=tl.float32)
     acc_hi = tl.zeros(bits.shape, dtype=tl.float32)
@@ -176,6 +219,9 @@ def summed_lanes(bits, offs, mask, buffer_ptrs, tag32, parity, slot_words,
                 words = _load_words(src, mask, STRONG)
                 if STRONG:
                     if _nanoseconds() - began > TIMEOUT_NS:
+                        other = own_words + (((1 - parity) * WORLD + source) * slot_words) + offs
+                        record_timeout(buffer_ptrs, program, tag32, source, words,
+                                       _load_words(other, mask, STRONG), mask, SITE, RANK, WORLD, STRONG)
                         _trap()
             source_bits = (words & 0xFFFFFFFF).to(tl.int32)
         lo, hi = _lane_values(source_bits, ELEM_BITS, DTYPE)
@@ -190,7 +236,8 @@ def _push_all_reduce_kernel(x_ptr, lanes, buffer_ptrs, counter_ptr, slot_words,
                             BLOCK: tl.constexpr, STRONG: tl.constexpr, TIMEOUT_NS: tl.constexpr,
                             PDL: tl.constexpr):
     """x (`lanes` 32-bit lanes) summed over the ranks, in place. buffer_ptrs[r]: rank r's buffer,
-    int64 words [2 slots][WORLD][slot_words]; counter_ptr: this rank's call count per program.
+    int64 words [2 slots][WORLD][slot_words], and buffer_ptrs[WORLD] the timeout record;
+    counter_ptr: this rank's call count per program.
     Every lane of the program is pushed before any is polled, so the peers' latencies overlap."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -209,8 +256,8 @@ def _push_all_reduce_kernel(x_ptr, lanes, buffer_ptrs, counter_ptr, slot_words,
         offs = start + tl.arange(0, BLOCK)
         mask = offs < lanes
         bits = tl.load(x_lanes + offs, mask=mask, other=0)
-        summed = summed_lanes(bits, offs, mask, buffer_ptrs, tag32, parity, slot_words, RANK, WORLD,
-                               ELEM_BITS, dtype, STRONG, TIMEOUT_NS)
+        summed = summed_lanes(bits, offs, mask, buffer_ptrs, tag32, parity, slot_words, pid, RANK, WORLD,
+                               ELEM_BITS, dtype, STRONG, TIMEOUT_NS, 0)
         tl.store(x_lanes + offs, summed, mask=mask)
 
 
@@ -256,11 +303,16 @@ class PushAllReduce:
         self.in_gemv = in_gemv
         self.timeout_ns = int((PEER_TIMEOUT_S if peer_timeout_s is None else peer_timeout_s) * 10**9)
         device = self.buffer.device
-        self.buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)
+        self.timeout_record = torch.zeros(TIMEOUT_RECORDS, TIMEOUT_FIELDS, dtype=torch.int64,
+                                          pin_memory=device.type == "cuda")
+        """Pinned host memory, which a kernel reaches at its host address (unified addressing) and
+        which the host can still read after a trap has destroyed the CUDA context (`timeouts`)."""
+        record = self.timeout_record.data_ptr()
+        self.buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers] + [record], dtype=torch.int64, device=device)
         self.counters = torch.zeros(PROGRAMS, dtype=torch.int64, device=device)
         region = self.region_bytes(max_bytes, self.world)
-        self.projection_buffer_ptrs = torch.tensor([b.data_ptr() + region for b in buffers], dtype=torch.int64,
-                                                   device=device)
+        self.projection_buffer_ptrs = torch.tensor([b.data_ptr() + region for b in buffers] + [record],
+                                                   dtype=torch.int64, device=device)
         self.tickets = torch.zeros(TICKET_GRIDS, dtype=torch.int64, device=device)
         self._projection_reduces: dict[int, ProjectionReduce] = {}
         """Per grid size, in first-call order (the same on every rank): its call counter and the rest."""
@@ -302,6 +354,21 @@ class PushAllReduce:
                 self.projection_buffer_ptrs, self.tickets[index:index + 1], self.max_bytes // 4, self.rank, self.world,
                 device.type == "cuda", self.timeout_ns)
         return reduce
+
+    def timeouts(self) -> list[str]:
+        """What each program that timed out waiting for a peer wrote before it trapped (one line per
+        record row; empty: none did). Reads host memory only, so it works after the trap. The
+        peer's slot of the call's parity holding the call two before (and the other slot the call
+        before) means the peer never made the call; other counts mean the ranks' calls diverged."""
+        lines = []
+        for written, site, rank, peer, call, lowest, highest, other in self.timeout_record.tolist():
+            if not written:
+                continue
+            where = "the push all-reduce kernel" if site == 0 else "a GEMV that all-reduces its output"
+            lines.append(f"push all-reduce timeout: rank {rank} waited {self.timeout_ns / 1e9:.0f} s in {where} for "
+                         f"rank {peer}'s words of call {call}; that slot held calls {lowest}..{highest}, the other "
+                         f"slot call {other}")
+        return lines
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the group, in place (a program reads its lanes of x before it writes them)."""

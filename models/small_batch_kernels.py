@@ -225,8 +225,8 @@ def _small_rows_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, out_ptr, res_ou
         lane_mask = lane_offs < N * AR_ELEM_BITS // 32
         push_lanes(bits, lane_offs, lane_mask, ar_buffer_ptrs, tag32, parity, ar_slot_words, AR_RANK, AR_WORLD,
                    AR_STRONG)
-        summed = summed_lanes(bits, lane_offs, lane_mask, ar_buffer_ptrs, tag32, parity, ar_slot_words, AR_RANK,
-                              AR_WORLD, AR_ELEM_BITS, out_ty, AR_STRONG, AR_TIMEOUT_NS)
+        summed = summed_lanes(bits, lane_offs, lane_mask, ar_buffer_ptrs, tag32, parity, ar_slot_words, pid_n,
+                              AR_RANK, AR_WORLD, AR_ELEM_BITS, out_ty, AR_STRONG, AR_TIMEOUT_NS, 1)
         tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + lane_offs, summed, mask=lane_mask)
     else:
         out_mask = m_mask[:, None] & n_mask[None, :]

@@ -67,6 +67,7 @@ if ! python3 -c "import pydantic" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/n
     && SITE=/tmp/site
 fi
 export PYTHONPATH=$PWD${SITE:+:$SITE}${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export PATH=${SITE:+$SITE/bin:}$PATH   # the carried wheels' programs (py-spy for the tp-soak stage)
 unset TRITON_INTERPRET
 LOG=$OUT_DIR/suite.log
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"

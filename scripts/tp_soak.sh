@@ -3,19 +3,21 @@
 # all-reduce (docs/PARALLEL.md, "Push all-reduce"):
 #   bash scripts/tp_soak.sh DIR [RUNS]          (RUNS default 5; gpu_suite.sh's tp-soak stage)
 # Each run is `pytest -m multigpu tests/test_push_all_reduce.py tests/test_tensor_parallel.py` in a
-# fresh process; odd runs start with empty kernel caches (a fresh GRAPHRUNNER_CACHE_DIR and
-# TRITON_CACHE_DIR), the condition of the stalls seen so far. Every run's output is kept in
-# DIR/runK.log. While a run is past STALL_S seconds (default 150; a run takes 60-120 s on two H100s
-# or H200s), the Python stacks of every python3 process are dumped every 20 s into DIR/runK-stacks/
-# with py-spy, where it is installed: a push call stuck for the TP group's timeout (120 s) then
-# traps, so the stacks are taken before it. A run past RUN_S seconds (default 330) is killed and the
-# soak stops there. Prints one line per run: the pytest summary and the seconds it took. Exits 1
-# if a run failed or was killed.
+# fresh process; odd runs start as cold as a first run on a fresh machine, the condition of the
+# stalls seen so far: empty kernel caches (a fresh GRAPHRUNNER_CACHE_DIR, TRITON_CACHE_DIR and
+# CUDA_CACHE_PATH) and no compiled Python files in the tree. Every run's output is kept in
+# DIR/runK.log. From STALL_S seconds into a run (default 60; a run takes 60-120 s on two H100s or
+# H200s) the stacks of every python3 process, native frames included, are dumped every 20 s into
+# DIR/runK-stacks/ with py-spy, where it is installed: a push call stuck for the TP group's timeout
+# (120 s) traps, so a stall is dumped before that whenever it began. A run past RUN_S seconds
+# (default 330) is killed and the soak stops there. Prints one line per run: the pytest summary and
+# the seconds it took, then any timeout record the push kernels left (models/push_all_reduce.py).
+# Exits 1 if a run failed or was killed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DIR=${1:?usage: bash scripts/tp_soak.sh DIR [RUNS]}
 RUNS=${2:-5}
-STALL_S=${STALL_S:-150}
+STALL_S=${STALL_S:-60}
 RUN_S=${RUN_S:-330}
 mkdir -p "$DIR"
 SPY=$(command -v py-spy || true)
@@ -26,7 +28,10 @@ dump_stacks() {  # dump_stacks FOLDER: every python3 process's Python stacks, an
   nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader > "$1/gpus.txt" 2>&1
   [[ -n $SPY ]] || return 0
   local pid
-  for pid in $(pgrep -f python3); do timeout 10 "$SPY" dump --pid "$pid" > "$1/$pid.txt" 2>&1; done
+  for pid in $(pgrep -f python3); do
+    timeout 20 "$SPY" dump --native --pid "$pid" > "$1/$pid.txt" 2>&1 \
+      || timeout 10 "$SPY" dump --pid "$pid" > "$1/$pid.txt" 2>&1
+  done
 }
 
 failed=0
@@ -36,7 +41,8 @@ for ((run = 1; run <= RUNS; run++)); do
   kind=warm
   if ((run % 2)); then
     empty=$(mktemp -d)
-    caches=(GRAPHRUNNER_CACHE_DIR="$empty" TRITON_CACHE_DIR="$empty/triton")
+    caches=(GRAPHRUNNER_CACHE_DIR="$empty" TRITON_CACHE_DIR="$empty/triton" CUDA_CACHE_PATH="$empty/nv")
+    find . -name __pycache__ -prune -exec rm -rf {} +
     kind=empty
   fi
   start=$SECONDS
@@ -62,6 +68,7 @@ for ((run = 1; run <= RUNS; run++)); do
   rc=$?
   ((rc == 0)) || failed=1
   echo "run $run ($kind caches): $(grep -E '^=+ .* in [0-9.]+s' "$DIR/run$run.log" | tail -1 | tr -d '=' | xargs) [$((SECONDS - start)) s, rc $rc]"
+  grep -o 'push all-reduce timeout: .*' "$DIR/run$run.log" | sort | uniq -c | head -20
   [[ -z $empty ]] || rm -rf "$empty"
 done
 exit $failed

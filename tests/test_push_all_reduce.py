@@ -19,7 +19,11 @@ import torch
 pytest.importorskip("triton")
 
 from models import parallel_state  # noqa: E402
-from models.push_all_reduce import DTYPES, PushAllReduce  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from models.push_all_reduce import (DTYPES, TIMEOUT_FIELDS, TIMEOUT_RECORDS, PushAllReduce,  # noqa: E402
+                                    record_timeout)
 from runner.distributed import comm  # noqa: E402
 from runner.distributed.topology import Topology  # noqa: E402
 
@@ -64,6 +68,7 @@ def test_rank0_pushes_tagged_words_and_sums_the_peers_in_rank_order(dtype):
         assert torch.equal(_slot(peer, call % 2, 0, lanes), (call << 32) | _lanes(mine).view(-1))
         assert reducer.counters.tolist() == [call] * len(reducer.counters)
     assert not own[(MAX_BYTES // 4) * 2 * 2:].any()    # nothing written past the two slots
+    assert not reducer.timeout_record.any() and reducer.timeouts() == []
 
 
 def _exact_product(dtype, n, k, gen):
@@ -249,6 +254,41 @@ def test_the_engine_gives_its_tp_timeout_to_both_kernels(monkeypatch):
     assert default.timeout_ns == 600 * 10**9
 
 
+@triton.jit
+def _timeout_probe(buffer_ptrs, words_ptr, other_ptr, program, tag32, LANES: tl.constexpr):
+    """`record_timeout` of a program of a GEMV on rank 0 of 2 that polled `words_ptr`'s words from
+    rank 1's slot (and `other_ptr`'s from the other slot), its last lane masked out."""
+    offs = tl.arange(0, LANES)
+    mask = offs < LANES - 1
+    record_timeout(buffer_ptrs, program, tag32, 1, tl.load(words_ptr + offs), tl.load(other_ptr + offs), mask,
+                   SITE=1, RANK=0, WORLD=2, STRONG=False)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="Triton on a CPU needs TRITON_INTERPRET=1")
+def test_a_program_that_times_out_records_what_it_waited_for():
+    """Before it traps, a program writes its row of the timeout record (pinned host memory on a GPU,
+    which the host reads after the trap): the call it waited for, the peer, the lowest and highest
+    call among the lanes still waiting, the other slot's call; masked lanes count for nothing. The
+    host turns each written row into one line, and so does the TP group's accessor."""
+    reducer, _, _ = _pair()
+    calls = torch.tensor([5, 3, 4, 5, 3, 3, 5, 9])   # 5: arrived; the masked last lane's 9 is ignored
+    others = torch.tensor([4, 4, 4, 4, 4, 4, 4, 7])
+    _timeout_probe[(1,)](reducer.buffer_ptrs, (calls << 32) | 77, (others << 32) | 77, 11, 5, LANES=8)
+    row = 11 % TIMEOUT_RECORDS
+    assert reducer.timeout_record.shape == (TIMEOUT_RECORDS, TIMEOUT_FIELDS)
+    assert reducer.timeout_record[row].tolist() == [1, 1, 0, 1, 5, 3, 4, 4]
+    assert not reducer.timeout_record[torch.arange(TIMEOUT_RECORDS) != row].any()
+    expected = ["push all-reduce timeout: rank 0 waited 600 s in a GEMV that all-reduces its output for rank 1's "
+                "words of call 5; that slot held calls 3..4, the other slot call 4"]
+    assert reducer.timeouts() == expected
+    parallel_state.set_tensor_parallel_group(0, 2, object(), reducer)
+    try:
+        assert parallel_state.push_all_reduce_timeouts() == expected
+    finally:
+        parallel_state.reset_tensor_parallel_group()
+    assert parallel_state.push_all_reduce_timeouts() == []
+
+
 def test_a_peer_mapping_without_the_peers_mark_is_refused():
     """The set-up's check that a mapped buffer is the peer's: its last word is the mark the peer
     wrote and sent with its handle; anything else (another buffer's memory) is refused by name."""
@@ -345,7 +385,8 @@ def test_multigpu_push_all_reduce_equals_nccl():
 
 def _peer_never_pushes(rank: int, port: int, failures) -> None:
     """Rank 0 all-reduces while rank 1 never does: the kernel must end in a CUDA error after the
-    3 s peer timeout, not wait for ever. (The GEMVs that all-reduce themselves poll through the same
+    3 s peer timeout, not wait for ever, and its timeout record, read after the trap, must say what
+    it waited for. (The GEMVs that all-reduce themselves poll through the same
     `summed_lanes` with the same timeout: test_the_engine_gives_its_tp_timeout_to_both_kernels.)
     Rank 1 hosts the store, so rank 0 may exit at once; neither tears its groups down, as rank 0's
     CUDA context is lost."""
@@ -370,6 +411,11 @@ def _peer_never_pushes(rank: int, port: int, failures) -> None:
         waited = time.monotonic() - started
         if "CUDA" not in str(error) or not 3.0 <= waited < 60.0:
             failures.put(f"after {waited:.1f} s: {error}")
+        # rank 1 never pushed: both of its slots still hold the zeroed words ("call 0")
+        record = ("rank 0 waited 3 s in the push all-reduce kernel for rank 1's words of call 1; that slot held "
+                  "calls 0..0, the other slot call 0")
+        if not any(record in line for line in reducer.timeouts()):
+            failures.put(f"the timeout record says {reducer.timeouts()}, not '{record}'")
     finally:
         store.set("rank 0 done", "1")
         os._exit(0)

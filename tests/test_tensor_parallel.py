@@ -19,6 +19,7 @@ Two kinds of end-to-end test:
 from __future__ import annotations
 
 import datetime
+import logging
 import multiprocessing
 import os
 import re
@@ -26,6 +27,7 @@ import signal
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -199,6 +201,23 @@ def test_teardown_releases_graphs_before_destroying_groups(monkeypatch, failure)
     executor._teardown(state)  # idempotent
     assert calls == (["stop", "release", ("destroy", False)] if failure is None else [("destroy", True)])
     assert state.release_graphs is None
+
+
+def test_a_push_all_reduce_timeout_reaches_rank_0s_error_and_log(monkeypatch, caplog):
+    """A step that trapped in the push all-reduce: rank 0's error carries what its kernels waited
+    for (models/push_all_reduce.PushAllReduce.timeouts), and the teardown logs it, which also
+    covers an async step whose error surfaces outside the executor."""
+    from runner.distributed import executor
+    line = "push all-reduce timeout: rank 0 waited 120 s in the push all-reduce kernel for rank 1's words of call 9"
+    monkeypatch.setattr(executor, "push_all_reduce_timeouts", lambda: [line])
+    monkeypatch.setattr(executor, "destroy_groups", lambda groups, abort: None)
+    state = executor._State()
+    fake = SimpleNamespace(_state=state, rank=0, _finalizer=lambda: executor._teardown(state))
+    error = RuntimeError("CUDA error: unspecified launch failure")
+    with caplog.at_level(logging.ERROR, logger="runner.distributed.executor"), pytest.raises(RuntimeError) as raised:
+        executor.DistributedExecutor._fail(fake, error, "step")
+    assert raised.value is error and error.__notes__ == [line]
+    assert line in caplog.text and "step failed on rank 0" in state.failure
 
 
 # ---- end to end: the runtime with a replicated model and emulated collectives ----------------

@@ -40,7 +40,7 @@ import torch.multiprocessing as torch_mp
 from configs import EngineConfig
 from models.hf_config import ModelSpec
 from models.hf_config import check_tensor_parallel_size
-from models.parallel_state import reset_tensor_parallel_group
+from models.parallel_state import push_all_reduce_timeouts, reset_tensor_parallel_group
 from runner.distributed.comm import (PEER_LOSS_MARKERS, DistributedGroups, broadcast_message, destroy_groups, init_groups,
                                      recv_message, send_tensors, set_distributed_env, warm_up_communicators)
 from runner.distributed.layers import split_layers
@@ -203,6 +203,8 @@ def _teardown(state: _State) -> None:
     if state.closed:
         return
     state.closed = True
+    for line in push_all_reduce_timeouts():   # a step that trapped: what rank 0's kernels waited for
+        logger.error(line)
     graceful = state.failure is None and state.groups is not None
     if graceful:
         try:
@@ -408,6 +410,8 @@ class DistributedExecutor:
         """Record the failure, tear the workers down, raise the clearest error: a worker's own
         report or death if there is one (a gloo error on rank 0 usually means a peer died)."""
         state = self._state
+        for line in push_all_reduce_timeouts():
+            error.add_note(line)
         report = error if isinstance(error, WorkerError) else None
         if report is None and state.workers is not None and not isinstance(error, KeyboardInterrupt):
             report = state.workers.explain(FAILURE_GRACE_S if isinstance(error, RuntimeError) else 0.0)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from configs import EngineConfig
 from models.hf_config import ModelSpec
-from models.parallel_state import reset_tensor_parallel_group, set_tensor_parallel_group
+from models.parallel_state import push_all_reduce_timeouts, reset_tensor_parallel_group, set_tensor_parallel_group
 from runner.collector import frozen_heap
 from runner.distributed.comm import (PEER_LOSS_MARKERS, Agreement, DistributedGroups, broadcast_message, destroy_groups,
                                      init_groups, push_all_reduce, recv_tensors_into, send_message, send_tensors,
@@ -139,7 +139,7 @@ def worker_main(rank: int, job: WorkerJob, conn) -> None:
         reset_tensor_parallel_group()
         destroy_groups(groups)
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit from below
-        text = traceback.format_exc()
+        text = "\n".join([traceback.format_exc().rstrip(), *push_all_reduce_timeouts()])
         if any(marker in text for marker in PEER_LOSS_MARKERS):  # a consequence: one line is enough
             logger.error("worker %s lost a peer; exiting: %s", topology.describe(rank), text.strip().splitlines()[-1])
         else:
