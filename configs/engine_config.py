@@ -200,6 +200,14 @@ class ParallelConfig(_Config):
                     "over the ranks in their epilogue (models/small_batch_kernels.linear_all_reduce) instead of "
                     "launching the all-reduce kernel after them; off: that kernel after them "
                     "[GRAPHRUNNER_PUSH_ALL_REDUCE_IN_GEMV]")
+    push_all_reduce_timeout_record: bool = Field(
+        default_factory=env_default("GRAPHRUNNER_PUSH_ALL_REDUCE_TIMEOUT_RECORD",
+                                    "ParallelConfig.push_all_reduce_timeout_record", False),
+        description="with the push all-reduce on: a kernel that times out waiting for a peer first writes "
+                    "what it waited for (the call, the peer, the calls found in the peer's slots) into pinned "
+                    "host memory, and the step's error and log say it (models/push_all_reduce.py); off by "
+                    "default, as that code path slows the one-row GEMVs' schedule (docs/PARALLEL.md) "
+                    "[GRAPHRUNNER_PUSH_ALL_REDUCE_TIMEOUT_RECORD]")
     threads: int | None = Field(
         None, ge=1, description="CPU threads of torch's operators (torch.set_num_threads, set when the engine "
                                 "starts, for the whole process); None: torch's default, one per core")

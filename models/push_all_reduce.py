@@ -27,11 +27,13 @@ only after that peer pushed the call in between, i.e. after the peer's reads of 
 A word left from two calls before carries another tag, so stale data is never taken for new.
 A peer that never arrives (crashed mid-step) makes the kernel trap after the TP group's timeout
 (`peer_timeout_s`: ParallelConfig.distributed_init_timeout_s, the time NCCL's collectives of the
-same group are given), which surfaces as a CUDA error on this rank instead of a hang. Before it
-traps, the program writes what it waited for into a record in pinned host memory, which outlives
-the CUDA context the trap destroys (`PushAllReduce.timeouts`: the call, the peer, and the tags
-the peer's two slots held), so the error can say whether the peer never came or came with
-another call count.
+same group are given), which surfaces as a CUDA error on this rank instead of a hang. With
+`timeout_record` on (ParallelConfig.push_all_reduce_timeout_record), the program first writes what
+it waited for into a record in pinned host memory, which outlives the CUDA context the trap
+destroys (`PushAllReduce.timeouts`: the call, the peer, and the calls the peer's two slots held),
+so the error can say whether the peer never came or came with another call count. Off by default:
+any code on the timeout path changes how ptxas schedules the whole GEMV, and that schedule made the
+TP=2 Llama-3-8B step 7 us slower (docs/PARALLEL.md, "Push all-reduce").
 
 The same protocol also runs inside a GEMV: a one-row o_proj / down_proj sums its own output in its
 epilogue (models/small_batch_kernels.linear_all_reduce, `push_lanes` and `summed_lanes` here), so
@@ -199,11 +201,12 @@ def push_lanes(bits, offs, mask, buffer_ptrs, tag32, parity, slot_words,
 @triton.jit
 def summed_lanes(bits, offs, mask, buffer_ptrs, tag32, parity, slot_words, program,
                  RANK: tl.constexpr, WORLD: tl.constexpr, ELEM_BITS: tl.constexpr, DTYPE: tl.constexpr,
-                 STRONG: tl.constexpr, TIMEOUT_NS: tl.constexpr, SITE: tl.constexpr):
+                 STRONG: tl.constexpr, TIMEOUT_NS: tl.constexpr, SITE: tl.constexpr, RECORD: tl.constexpr):
     """The lanes at `offs` summed over the ranks: this rank's `bits` and, polled from slot
     [parity][peer] of its own buffer until every word carries the tag, each peer's, added in fp32
     in rank order (the same sum, bit for bit, on every rank) and rounded to DTYPE. After TIMEOUT_NS
-    without them: the timeout record's row of `program` (`record_timeout`, SITE), then a trap."""
+    without them: with RECORD, the timeout record's row of `program` (`record_timeout`, SITE); then a
+    trap."""
     own_words = tl.load(buffer_ptrs + RANK).to(tl.pointer_type(tl.int64))
     acc_lo = tl.zeros(bits.shape, dtype=tl.float32)
     acc_hi = tl.zeros(bits.shape, dtype=tl.float32)
@@ -219,9 +222,10 @@ def summed_lanes(bits, offs, mask, buffer_ptrs, tag32, parity, slot_words, progr
                 words = _load_words(src, mask, STRONG)
                 if STRONG:
                     if _nanoseconds() - began > TIMEOUT_NS:
-                        other = own_words + (((1 - parity) * WORLD + source) * slot_words) + offs
-                        record_timeout(buffer_ptrs, program, tag32, source, words,
-                                       _load_words(other, mask, STRONG), mask, SITE, RANK, WORLD, STRONG)
+                        if RECORD:
+                            other = own_words + (((1 - parity) * WORLD + source) * slot_words) + offs
+                            record_timeout(buffer_ptrs, program, tag32, source, words,
+                                           _load_words(other, mask, STRONG), mask, SITE, RANK, WORLD, STRONG)
                         _trap()
             source_bits = (words & 0xFFFFFFFF).to(tl.int32)
         lo, hi = _lane_values(source_bits, ELEM_BITS, DTYPE)
@@ -234,7 +238,7 @@ def summed_lanes(bits, offs, mask, buffer_ptrs, tag32, parity, slot_words, progr
 def _push_all_reduce_kernel(x_ptr, lanes, buffer_ptrs, counter_ptr, slot_words,
                             RANK: tl.constexpr, WORLD: tl.constexpr, ELEM_BITS: tl.constexpr,
                             BLOCK: tl.constexpr, STRONG: tl.constexpr, TIMEOUT_NS: tl.constexpr,
-                            PDL: tl.constexpr):
+                            RECORD: tl.constexpr, PDL: tl.constexpr):
     """x (`lanes` 32-bit lanes) summed over the ranks, in place. buffer_ptrs[r]: rank r's buffer,
     int64 words [2 slots][WORLD][slot_words], and buffer_ptrs[WORLD] the timeout record;
     counter_ptr: this rank's call count per program.
@@ -257,7 +261,7 @@ def _push_all_reduce_kernel(x_ptr, lanes, buffer_ptrs, counter_ptr, slot_words,
         mask = offs < lanes
         bits = tl.load(x_lanes + offs, mask=mask, other=0)
         summed = summed_lanes(bits, offs, mask, buffer_ptrs, tag32, parity, slot_words, pid, RANK, WORLD,
-                               ELEM_BITS, dtype, STRONG, TIMEOUT_NS, 0)
+                               ELEM_BITS, dtype, STRONG, TIMEOUT_NS, 0, RECORD)
         tl.store(x_lanes + offs, summed, mask=mask)
 
 
@@ -272,6 +276,7 @@ class ProjectionReduce(NamedTuple):
     world: int
     strong: bool
     timeout_ns: int
+    record: bool
 
 
 TICKET_GRIDS = 4
@@ -286,10 +291,11 @@ class PushAllReduce:
     this module's kernel, one for the GEMVs that all-reduce their own output (`projection_reduce`),
     since each counts its calls, and so tags its words, on its own. `in_gemv` False: no GEMV does
     (ParallelConfig.push_all_reduce_in_gemv). `peer_timeout_s`: how long a program waits for a
-    peer's words before it traps (a compile-time constant of the kernels; None: PEER_TIMEOUT_S)."""
+    peer's words before it traps (a compile-time constant of the kernels; None: PEER_TIMEOUT_S).
+    `timeout_record`: a program that times out first writes its row of `timeout_record` (`timeouts`)."""
 
     def __init__(self, buffers: list[torch.Tensor], rank: int, max_bytes: int, in_gemv: bool = True,
-                 peer_timeout_s: float | None = None) -> None:
+                 peer_timeout_s: float | None = None, timeout_record: bool = False) -> None:
         need = self.buffer_bytes(max_bytes, len(buffers))
         for b in buffers:
             if b.numel() * b.element_size() < need:
@@ -302,6 +308,7 @@ class PushAllReduce:
         self.max_bytes = max_bytes
         self.in_gemv = in_gemv
         self.timeout_ns = int((PEER_TIMEOUT_S if peer_timeout_s is None else peer_timeout_s) * 10**9)
+        self.record = timeout_record
         device = self.buffer.device
         self.timeout_record = torch.zeros(TIMEOUT_RECORDS, TIMEOUT_FIELDS, dtype=torch.int64,
                                           pin_memory=device.type == "cuda")
@@ -352,7 +359,7 @@ class PushAllReduce:
             index = len(self._projection_reduces)
             reduce = self._projection_reduces[grid] = ProjectionReduce(
                 self.projection_buffer_ptrs, self.tickets[index:index + 1], self.max_bytes // 4, self.rank, self.world,
-                device.type == "cuda", self.timeout_ns)
+                device.type == "cuda", self.timeout_ns, self.record)
         return reduce
 
     def timeouts(self) -> list[str]:
@@ -376,5 +383,5 @@ class PushAllReduce:
         launch(_push_all_reduce_kernel, (PROGRAMS,), x, x.numel() * x.element_size() // 4, self.buffer_ptrs,
                self.counters, self.max_bytes // 4, RANK=self.rank, WORLD=self.world,
                ELEM_BITS=8 * x.element_size(), BLOCK=BLOCK, STRONG=strong, TIMEOUT_NS=self.timeout_ns,
-               num_warps=4, **pdl_options(x.device))
+               RECORD=self.record, num_warps=4, **pdl_options(x.device))
         return x

@@ -124,7 +124,7 @@ def _small_rows_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, out_ptr, res_ou
                        RMS_BLOCK: tl.constexpr, PDL: tl.constexpr,
                        ALL_REDUCE: tl.constexpr, AR_RANK: tl.constexpr, AR_WORLD: tl.constexpr,
                        AR_ELEM_BITS: tl.constexpr, AR_LANES: tl.constexpr, AR_STRONG: tl.constexpr,
-                       AR_TIMEOUT_NS: tl.constexpr):
+                       AR_TIMEOUT_NS: tl.constexpr, AR_RECORD: tl.constexpr):
     """out[M, N] = prologue(x) @ W[N, K].T (+ b); GATED: W is [2N, K] = [gate; up] and
     out = silu(gate) * up. W contiguous; out and residual_out contiguous [M, N] / [M, K].
     ONE_TILE (K <= BLOCK_K): x is read once and the rms computed in the K loop's only iteration,
@@ -226,7 +226,7 @@ def _small_rows_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, out_ptr, res_ou
         push_lanes(bits, lane_offs, lane_mask, ar_buffer_ptrs, tag32, parity, ar_slot_words, AR_RANK, AR_WORLD,
                    AR_STRONG)
         summed = summed_lanes(bits, lane_offs, lane_mask, ar_buffer_ptrs, tag32, parity, ar_slot_words, pid_n,
-                              AR_RANK, AR_WORLD, AR_ELEM_BITS, out_ty, AR_STRONG, AR_TIMEOUT_NS, 1)
+                              AR_RANK, AR_WORLD, AR_ELEM_BITS, out_ty, AR_STRONG, AR_TIMEOUT_NS, 1, AR_RECORD)
         tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + lane_offs, summed, mask=lane_mask)
     else:
         out_mask = m_mask[:, None] & n_mask[None, :]
@@ -401,12 +401,12 @@ def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, push: PushAllReduce
 
 
 def _reduce_constants(reduce: ProjectionReduce | None, dtype: torch.dtype, block_n: int) -> tuple:
-    """The kernel's AR_* constexprs (RANK, WORLD, ELEM_BITS, LANES, STRONG, TIMEOUT_NS); fixed
+    """The kernel's AR_* constexprs (RANK, WORLD, ELEM_BITS, LANES, STRONG, TIMEOUT_NS, RECORD); fixed
     values when it does not all-reduce, so those variants compile once."""
     if reduce is None:
-        return 0, 1, 32, 1, False, 0
+        return 0, 1, 32, 1, False, 0, False
     bits = 8 * dtype.itemsize
-    return reduce.rank, reduce.world, bits, block_n * bits // 32, reduce.strong, reduce.timeout_ns
+    return reduce.rank, reduce.world, bits, block_n * bits // 32, reduce.strong, reduce.timeout_ns, reduce.record
 
 
 

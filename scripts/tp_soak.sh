@@ -11,7 +11,8 @@
 # DIR/runK-stacks/ with py-spy, where it is installed: a push call stuck for the TP group's timeout
 # (120 s) traps, so a stall is dumped before that whenever it began. A run past RUN_S seconds
 # (default 330) is killed and the soak stops there. Prints one line per run: the pytest summary and
-# the seconds it took, then any timeout record the push kernels left (models/push_all_reduce.py).
+# the seconds it took, then any timeout record the push kernels left (models/push_all_reduce.py: the
+# runs turn it on, GRAPHRUNNER_PUSH_ALL_REDUCE_TIMEOUT_RECORD=1).
 # Exits 1 if a run failed or was killed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,7 +47,7 @@ for ((run = 1; run <= RUNS; run++)); do
     kind=empty
   fi
   start=$SECONDS
-  env "${caches[@]}" python3 -m pytest -v -p no:cacheprovider -m multigpu -rA --durations=0 \
+  env "${caches[@]}" GRAPHRUNNER_PUSH_ALL_REDUCE_TIMEOUT_RECORD=1 python3 -m pytest -v -p no:cacheprovider -m multigpu -rA --durations=0 \
     tests/test_push_all_reduce.py tests/test_tensor_parallel.py > "$DIR/run$run.log" 2>&1 &
   pid=$!
   next_dump=$STALL_S

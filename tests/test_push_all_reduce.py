@@ -249,9 +249,29 @@ def test_the_engine_gives_its_tp_timeout_to_both_kernels(monkeypatch):
     assert reducer.timeout_ns == 7_500_000_000
     reduce = reducer.projection_reduce(64, torch.bfloat16, buffer.device, grid=16)
     assert reduce.timeout_ns == 7_500_000_000
-    assert _reduce_constants(reduce, torch.bfloat16, 2)[-1] == 7_500_000_000
+    assert _reduce_constants(reduce, torch.bfloat16, 2)[-2:] == (7_500_000_000, False)
     default = comm.push_all_reduce(64, torch.device("cuda", 0), _groups())
     assert default.timeout_ns == 600 * 10**9
+
+
+def test_the_timeout_record_is_off_by_default_and_reaches_both_kernels_when_on(monkeypatch):
+    """ParallelConfig.push_all_reduce_timeout_record (GRAPHRUNNER_PUSH_ALL_REDUCE_TIMEOUT_RECORD): off, the
+    kernels compile without the record's code; on, the all-reduce kernel and every GEMV that
+    all-reduces itself get it as a constexpr."""
+    from configs import EngineConfig
+    from models.small_batch_kernels import _reduce_constants
+    assert EngineConfig.from_kwargs(model="m").parallel.push_all_reduce_timeout_record is False
+    monkeypatch.setenv("GRAPHRUNNER_PUSH_ALL_REDUCE_TIMEOUT_RECORD", "1")
+    assert EngineConfig.from_kwargs(model="m").parallel.push_all_reduce_timeout_record is True
+    buffer = torch.zeros(PushAllReduce.buffer_bytes(64, 2), dtype=torch.uint8)
+    monkeypatch.setattr(comm, "_allocate_buffer", lambda nbytes, device: buffer)
+    monkeypatch.setattr(comm, "_exchange_buffers", lambda b, groups: [b, b.clone()])
+    monkeypatch.setattr(comm, "all_reduce_min", lambda value, groups: value)
+    for record in (False, True):
+        reducer = comm.push_all_reduce(64, torch.device("cuda", 0), _groups(), timeout_record=record)
+        assert reducer.record is record
+        assert _reduce_constants(reducer.projection_reduce(64, torch.bfloat16, buffer.device, grid=16),
+                                 torch.bfloat16, 2)[-1] is record
 
 
 @triton.jit
@@ -397,7 +417,7 @@ def _peer_never_pushes(rank: int, port: int, failures) -> None:
     torch.cuda.set_device(rank)
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 1, timeout=datetime.timedelta(seconds=120))
     groups = comm.init_groups("nccl", rank, Topology(tp_size=2, pp_size=1), 120.0, store)
-    reducer = comm.push_all_reduce(1 << 16, torch.device("cuda", rank), groups, peer_timeout_s=3.0)
+    reducer = comm.push_all_reduce(1 << 16, torch.device("cuda", rank), groups, peer_timeout_s=3.0, timeout_record=True)
     if rank == 1:
         store.wait(["rank 0 done"], datetime.timedelta(seconds=120))   # pushes nothing meanwhile
         os._exit(0)

@@ -227,8 +227,8 @@ def _check_mark(peer: torch.Tensor, mark: int, rank: int) -> None:
                            f"rank wrote: the CUDA IPC mapping is of other memory")
 
 
-def push_all_reduce(max_bytes: int, device: torch.device, groups: DistributedGroups,
-                    in_gemv: bool = True, peer_timeout_s: float | None = None) -> PushAllReduce | None:
+def push_all_reduce(max_bytes: int, device: torch.device, groups: DistributedGroups, in_gemv: bool = True,
+                    peer_timeout_s: float | None = None, timeout_record: bool = False) -> PushAllReduce | None:
     """This rank's push all-reduce for its TP group's small all-reduces (models/push_all_reduce.py),
     or None: NCCL does them all. Only for CUDA tensor parallelism with `max_bytes` > 0. Collective
     over the world: every rank allocates its zeroed buffer, all agree that every allocation
@@ -239,7 +239,8 @@ def push_all_reduce(max_bytes: int, device: torch.device, groups: DistributedGro
     (ParallelConfig.push_all_reduce_in_gemv). `peer_timeout_s`: how long its kernels wait for a
     peer's words before they trap; an engine gives its TP group's timeout, so a peer that never
     comes fails a step after the same time with the push kernel as with NCCL (None: the kernels'
-    default, models/push_all_reduce.PEER_TIMEOUT_S)."""
+    default, models/push_all_reduce.PEER_TIMEOUT_S). `timeout_record`: a kernel that times out first
+    records what it waited for (ParallelConfig.push_all_reduce_timeout_record)."""
     if device.type != "cuda" or groups.tp_group is None or max_bytes <= 0:
         return None
     from models.push_all_reduce import PushAllReduce
@@ -256,7 +257,8 @@ def push_all_reduce(max_bytes: int, device: torch.device, groups: DistributedGro
         buffers, error = None, caught
     if not _every_rank_could(buffers is not None, error, groups):   # also the barrier
         return None
-    return PushAllReduce(buffers, groups.tp_rank, max_bytes, in_gemv=in_gemv, peer_timeout_s=peer_timeout_s)
+    return PushAllReduce(buffers, groups.tp_rank, max_bytes, in_gemv=in_gemv, peer_timeout_s=peer_timeout_s,
+                         timeout_record=timeout_record)
 
 
 def _every_rank_could(done: bool, error: Exception | None, groups: DistributedGroups) -> bool:

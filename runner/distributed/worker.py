@@ -50,7 +50,8 @@ def start_rank(config: EngineConfig, spec: ModelSpec, model_path: str, device: t
     all-reduce is set up first (collective), so the KV budget counts its buffer."""
     parallel = config.parallel
     push = push_all_reduce(parallel.push_all_reduce_max_bytes, device, groups, in_gemv=parallel.push_all_reduce_in_gemv,
-                           peer_timeout_s=parallel.distributed_init_timeout_s)
+                           peer_timeout_s=parallel.distributed_init_timeout_s,
+                           timeout_record=parallel.push_all_reduce_timeout_record)
     set_tensor_parallel_group(groups.tp_rank, groups.topology.tp_size, groups.tp_group, push)
     with frozen_heap():   # its collections walk only what it allocates (runner/collector.py)
         runner = ModelRunner(config, spec, model_path, device, dtype, max_model_len, layer_range=layer_range)
