@@ -292,7 +292,8 @@ class PushAllReduce:
     since each counts its calls, and so tags its words, on its own. `in_gemv` False: no GEMV does
     (ParallelConfig.push_all_reduce_in_gemv). `peer_timeout_s`: how long a program waits for a
     peer's words before it traps (a compile-time constant of the kernels; None: PEER_TIMEOUT_S).
-    `timeout_record`: a program that times out first writes its row of `timeout_record` (`timeouts`)."""
+    `timeout_record`: whether a program that times out first writes its row into `self.timeout_record`
+    (read by `timeouts`; a compile-time constant of the kernels)."""
 
     def __init__(self, buffers: list[torch.Tensor], rank: int, max_bytes: int, in_gemv: bool = True,
                  peer_timeout_s: float | None = None, timeout_record: bool = False) -> None:

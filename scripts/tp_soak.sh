@@ -5,9 +5,9 @@
 # Each run is `pytest -m multigpu tests/test_push_all_reduce.py tests/test_tensor_parallel.py` in a
 # fresh process; odd runs start as cold as a first run on a fresh machine, the condition of the
 # stalls seen so far: empty kernel caches (a fresh GRAPHRUNNER_CACHE_DIR, TRITON_CACHE_DIR and
-# CUDA_CACHE_PATH) and no compiled Python files in the tree. Every run's output is kept in
-# DIR/runK.log. From STALL_S seconds into a run (default 60; a run takes 60-120 s on two H100s or
-# H200s) the stacks of every python3 process, native frames included, are dumped every 20 s into
+# CUDA_CACHE_PATH) and no compiled Python files (a fresh PYTHONPYCACHEPREFIX). Every run's output is
+# kept in DIR/runK.log. From STALL_S seconds into a run (default 60; a run takes 60-160 s on two H100s
+# or H200s) the stacks of every python3 process, native frames included, are dumped every 20 s into
 # DIR/runK-stacks/ with py-spy, where it is installed: a push call stuck for the TP group's timeout
 # (120 s) traps, so a stall is dumped before that whenever it began. A run past RUN_S seconds
 # (default 330) is killed and the soak stops there. Prints one line per run: the pytest summary and
@@ -42,8 +42,8 @@ for ((run = 1; run <= RUNS; run++)); do
   kind=warm
   if ((run % 2)); then
     empty=$(mktemp -d)
-    caches=(GRAPHRUNNER_CACHE_DIR="$empty" TRITON_CACHE_DIR="$empty/triton" CUDA_CACHE_PATH="$empty/nv")
-    find . -name __pycache__ -prune -exec rm -rf {} +
+    caches=(GRAPHRUNNER_CACHE_DIR="$empty" TRITON_CACHE_DIR="$empty/triton" CUDA_CACHE_PATH="$empty/nv"
+            PYTHONPYCACHEPREFIX="$empty/pycache")
     kind=empty
   fi
   start=$SECONDS

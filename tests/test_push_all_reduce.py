@@ -255,14 +255,13 @@ def test_the_engine_gives_its_tp_timeout_to_both_kernels(monkeypatch):
 
 
 def test_the_timeout_record_is_off_by_default_and_reaches_both_kernels_when_on(monkeypatch):
-    """ParallelConfig.push_all_reduce_timeout_record (GRAPHRUNNER_PUSH_ALL_REDUCE_TIMEOUT_RECORD): off, the
+    """ParallelConfig.push_all_reduce_timeout_record (its variable: tests/test_config_env.py): off, the
     kernels compile without the record's code; on, the all-reduce kernel and every GEMV that
     all-reduces itself get it as a constexpr."""
     from configs import EngineConfig
     from models.small_batch_kernels import _reduce_constants
     assert EngineConfig.from_kwargs(model="m").parallel.push_all_reduce_timeout_record is False
-    monkeypatch.setenv("GRAPHRUNNER_PUSH_ALL_REDUCE_TIMEOUT_RECORD", "1")
-    assert EngineConfig.from_kwargs(model="m").parallel.push_all_reduce_timeout_record is True
+    assert EngineConfig.from_kwargs(model="m", push_all_reduce_timeout_record=True).parallel.push_all_reduce_timeout_record
     buffer = torch.zeros(PushAllReduce.buffer_bytes(64, 2), dtype=torch.uint8)
     monkeypatch.setattr(comm, "_allocate_buffer", lambda nbytes, device: buffer)
     monkeypatch.setattr(comm, "_exchange_buffers", lambda b, groups: [b, b.clone()])
