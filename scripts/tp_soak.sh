@@ -24,7 +24,7 @@ mkdir -p "$DIR"
 SPY=$(command -v py-spy || true)
 [[ -n $SPY ]] || echo "py-spy not found: a stalled run is killed without its stacks"
 
-dump_stacks() {  # dump_stacks FOLDER: every python3 process's Python stacks, and the GPUs' load
+dump_stacks() {  # dump_stacks FOLDER: every python3 process's stacks (native frames too), and the GPUs' load
   mkdir -p "$1"
   nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader > "$1/gpus.txt" 2>&1
   [[ -n $SPY ]] || return 0
@@ -47,7 +47,8 @@ for ((run = 1; run <= RUNS; run++)); do
     kind=empty
   fi
   start=$SECONDS
-  env "${caches[@]}" GRAPHRUNNER_PUSH_ALL_REDUCE_TIMEOUT_RECORD=1 python3 -m pytest -v -p no:cacheprovider -m multigpu -rA --durations=0 \
+  env "${caches[@]}" GRAPHRUNNER_PUSH_ALL_REDUCE_TIMEOUT_RECORD=1 \
+    python3 -m pytest -v -p no:cacheprovider -m multigpu -rA --durations=0 \
     tests/test_push_all_reduce.py tests/test_tensor_parallel.py > "$DIR/run$run.log" 2>&1 &
   pid=$!
   next_dump=$STALL_S

@@ -140,9 +140,10 @@ def worker_main(rank: int, job: WorkerJob, conn) -> None:
         reset_tensor_parallel_group()
         destroy_groups(groups)
     except BaseException:  # noqa: BLE001 - report everything, including SystemExit from below
-        text = "\n".join([traceback.format_exc().rstrip(), *push_all_reduce_timeouts()])
+        trace = traceback.format_exc().rstrip()
+        text = "\n".join([trace, *push_all_reduce_timeouts()])   # what a trapped push kernel waited for
         if any(marker in text for marker in PEER_LOSS_MARKERS):  # a consequence: one line is enough
-            logger.error("worker %s lost a peer; exiting: %s", topology.describe(rank), text.strip().splitlines()[-1])
+            logger.error("worker %s lost a peer; exiting: %s", topology.describe(rank), trace.splitlines()[-1])
         else:
             logger.error("worker %s failed:\n%s", topology.describe(rank), text)
         try:
