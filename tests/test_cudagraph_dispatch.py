@@ -56,13 +56,25 @@ def test_fallback_logged_once(caplog):
 
 
 def test_default_capture_sizes():
-    assert default_capture_sizes() == [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))   # vLLM's
-    assert len(default_capture_sizes()) == 51
-    assert default_capture_sizes(300) == [1, 2, 4] + list(range(8, 256, 8)) + [256, 272, 288]
-    assert default_capture_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
-    assert default_capture_sizes(20) == [1, 2, 4, 8, 16]
+    assert default_capture_sizes() == [1, 2, 4, 8, 16, 24, 32] + list(range(48, 257, 16)) + list(range(288, 513, 32))
+    assert len(default_capture_sizes()) == 29
+    assert default_capture_sizes(300) == [1, 2, 4, 8, 16, 24, 32] + list(range(48, 257, 16)) + [288]
+    assert default_capture_sizes(40) == [1, 2, 4, 8, 16, 24, 32]
     assert default_capture_sizes(3) == [1, 2]
     assert default_capture_sizes(1) == [1]
+    assert default_capture_sizes(1024)[-3:] == [960, 992, 1024]
+
+
+def test_default_capture_sizes_hold_max_num_seqs():
+    """The largest decode batch gets its own size, so its FULL key exists (no padding past max_num_seqs)."""
+    assert default_capture_sizes(512, max_num_seqs=100) == sorted(default_capture_sizes() + [100])
+    assert default_capture_sizes(512, max_num_seqs=256) == default_capture_sizes()
+    assert default_capture_sizes(64, max_num_seqs=100) == default_capture_sizes(64)   # above the largest size
+    with_it = CudagraphDispatcher(FAP, default_capture_sizes(512, max_num_seqs=100), max_num_seqs=100)
+    grid_alone = CudagraphDispatcher(FAP, default_capture_sizes(), max_num_seqs=100)
+    with_it.mark_ready(), grid_alone.mark_ready()
+    assert with_it.dispatch(97, 97, uniform_decode=True) == (FULL, BD(100, 100, True))
+    assert grid_alone.dispatch(97, 97, uniform_decode=True) == (PW, BD(112, 0, False))
 
 
 def test_custom_sizes_sorted_and_deduplicated():
@@ -76,8 +88,8 @@ def test_custom_sizes_sorted_and_deduplicated():
 def test_padding_table_default_sizes():
     d = CudagraphDispatcher(FAP, default_capture_sizes(64), max_num_seqs=256)
     assert len(d.padded_sizes) == 65
-    assert [d.padded_sizes[n] for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 25, 63, 64)] == \
-        [1, 2, 4, 4, 8, 8, 16, 16, 24, 24, 32, 64, 64]
+    assert [d.padded_sizes[n] for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 25, 33, 48, 49, 64)] == \
+        [1, 2, 4, 4, 8, 8, 16, 16, 24, 24, 32, 48, 48, 64, 64]
 
 
 SIZES = [1, 2, 4, 8, 16, 24, 32]

@@ -172,5 +172,7 @@ def test_graph_memory_estimate_within_15_percent_at_default_sizes(tmp_path, mode
     print(f"{mode}: graphs={runner.capture_summary.num_graphs} estimate={estimate / 2**20:.1f} MiB "
           f"actual={actual / 2**20:.1f} MiB ratio={estimate / actual:.3f}")
     _release(llm)
-    assert runner.capture_summary.num_graphs > 60
+    from runner.cudagraph import default_capture_sizes
+    assert runner.dispatcher.capture_sizes == default_capture_sizes(512, max_num_seqs=256)   # the engine's defaults
+    assert runner.capture_summary.num_graphs == len(runner.dispatcher.all_keys_to_capture()) == 50
     assert abs(estimate - actual) <= 0.15 * actual

@@ -43,12 +43,22 @@ class BatchDescriptor:
     uniform_decode: bool
 
 
-def default_capture_sizes(max_size: int = 512) -> list[int]:
-    """vLLM's grid up to max_size: 1, 2, 4, then multiples of 8 up to 256 (decode batches: padding
-    wastes at most 7 rows) and multiples of 16 above (mixed batches of a prefill chunk, where 15
-    padded rows are under 6%). Each size is a graph of each mode to capture at start-up: up to
-    512 this grid has 51 sizes where multiples of 8 throughout had 67."""
-    return [s for s in [1, 2, 4, *range(8, 256, 8), *range(256, max_size + 1, 16)] if s <= max_size]
+def default_capture_sizes(max_size: int = 512, max_num_seqs: int | None = None) -> list[int]:
+    """The sizes to capture up to max_size: 1, 2, 4, 8, 16, 24, 32, multiples of 16 up to 256, multiples
+    of 32 above. Each size is a graph of each mode that start-up captures, one after another, so the
+    grid is as coarse as padding allows. Up to 128 rows a decode step is bound by reading the weights
+    and a padded row costs little; from 128 to 256 a larger model's step turns compute-bound and
+    padding stays under 16 rows; above 256 only mixed batches run, with under 32 padded rows. Up to
+    512 that is 29 sizes, 50 graphs in FULL_AND_PIECEWISE, where vLLM's grid (multiples of 8 up to
+    256, of 16 up to 512) has 51 sizes and 86 graphs. docs/PERFORMANCE.md ("A coarser capture grid")
+    has what each grid costs in start-up and throughput, and the commands.
+
+    `max_num_seqs` (up to max_size) is a size too: the largest decode batch then has a FULL graph of
+    its own instead of padding past max_num_seqs, where only the mixed mode's graphs are."""
+    grid = [1, 2, 4, 8, 16, 24, 32, *range(48, 257, 16), *range(288, max_size + 1, 32)]
+    if max_num_seqs is not None:
+        grid.append(max_num_seqs)
+    return sorted({s for s in grid if s <= max_size})
 
 
 class CudagraphDispatcher:
