@@ -72,7 +72,8 @@ def test_default_capture_sizes_hold_max_num_seqs():
     assert default_capture_sizes(64, max_num_seqs=100) == default_capture_sizes(64)   # above the largest size
     with_it = CudagraphDispatcher(FAP, default_capture_sizes(512, max_num_seqs=100), max_num_seqs=100)
     grid_alone = CudagraphDispatcher(FAP, default_capture_sizes(), max_num_seqs=100)
-    with_it.mark_ready(), grid_alone.mark_ready()
+    with_it.mark_ready()
+    grid_alone.mark_ready()
     assert with_it.dispatch(97, 97, uniform_decode=True) == (FULL, BD(100, 100, True))
     assert grid_alone.dispatch(97, 97, uniform_decode=True) == (PW, BD(112, 0, False))
 
