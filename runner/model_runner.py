@@ -119,7 +119,7 @@ class ModelRunner(GraphStartUp):
         self.cudagraph_mode = resolve_cudagraph_mode(config.compilation.cudagraph_mode,
                                                      self.attn_backend.cudagraph_support, device.type)
         sizes = config.compilation.cudagraph_capture_sizes or default_capture_sizes(
-            config.compilation.max_cudagraph_capture_size, config.scheduler.max_num_seqs)
+            config.compilation.max_cudagraph_capture_size, self.max_num_reqs)
         sizes = [s for s in sizes if s <= self.max_num_tokens]
         self.dispatcher = CudagraphDispatcher(self.cudagraph_mode, sizes, self.max_num_reqs)
         max_blocks = -(-max_model_len // self.block_size)
