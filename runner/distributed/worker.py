@@ -7,6 +7,7 @@ launcher). Only the reply channel differs: a multiprocessing pipe to the parent,
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -86,10 +87,8 @@ def serve_steps(runner: ModelRunner, groups: DistributedGroups, reply) -> None:
             output = runner.execute(sched, decision)
         except Exception:
             if groups.is_sampler:  # rank 0 is waiting for exactly this rank's reply: tell it why
-                try:
+                with contextlib.suppress(Exception):   # rank 0 is gone; the original error matters
                     reply((ERROR, traceback.format_exc()))
-                except Exception:  # noqa: BLE001 - rank 0 is gone; the original error matters
-                    pass
             raise
         if groups.next_rank is not None:
             send_tensors(output, padded, groups.next_rank, groups)
@@ -146,11 +145,9 @@ def worker_main(rank: int, job: WorkerJob, conn) -> None:
             logger.error("worker %s lost a peer; exiting: %s", topology.describe(rank), trace.splitlines()[-1])
         else:
             logger.error("worker %s failed:\n%s", topology.describe(rank), text)
-        try:
+        with contextlib.suppress(OSError):   # rank 0 is gone
             conn.send((ERROR, text))
             conn.close()
-        except OSError:
-            pass  # rank 0 is gone
         os._exit(1)  # skip atexit/destructors that could wait on a broken communicator
     conn.close()
 
