@@ -30,7 +30,8 @@
 #               also with its sum after the o_proj / down GEMVs instead of inside them); the
 #               one-row GEMV tiles on a TP=2 rank's Llama-3-8B shards
 #   tp-soak     the multi-GPU tensor-parallel tests TP_SOAK_RUNS times (default 5), every other run with
-#               cold caches, each run's log and the push kernels' timeout record kept, every process's
+#               cold caches (half of those with the NCCL engines first, half with the push tests
+#               first), each run's log and the push kernels' timeout record kept, every process's
 #               stacks dumped while it runs long (scripts/tp_soak.sh; the push all-reduce's rare stall,
 #               docs/PARALLEL.md)
 #   all         tests bench decode-hf attention throughput capture replay addresses

@@ -5,7 +5,11 @@
 # Each run is `pytest -m multigpu tests/test_push_all_reduce.py tests/test_tensor_parallel.py` in a
 # fresh process; odd runs start as cold as a first run on a fresh machine, the condition of the
 # stalls seen so far: empty kernel caches (a fresh GRAPHRUNNER_CACHE_DIR, TRITON_CACHE_DIR and
-# CUDA_CACHE_PATH) and no compiled Python files (a fresh PYTHONPYCACHEPREFIX). Every run's output is
+# CUDA_CACHE_PATH) and no compiled Python files (a fresh PYTHONPYCACHEPREFIX). The order alternates
+# between cold runs: runs 1, 5, 9, ... start with the NCCL engines (the TP parity test with NCCL
+# all-reduces, then the push tests), runs 3, 7, ... with the push tests, as the files list them. Why:
+# in file order the push tests always meet the cold start first, so a failure of whichever TP engine
+# starts first in a cold process could not be told from a failure of the push all-reduce. Every run's output is
 # kept in DIR/runK.log. From STALL_S seconds into a run (default 60; a run takes 60-160 s on two H100s
 # or H200s) the stacks of every python3 process, native frames included, are dumped every 20 s into
 # DIR/runK-stacks/ with py-spy, where it is installed: a push call stuck for the TP group's timeout
@@ -35,6 +39,11 @@ dump_stacks() {  # dump_stacks FOLDER: every python3 process's stacks (native fr
   done
 }
 
+PARITY=tests/test_tensor_parallel.py::test_multigpu_tp2_matches_tp1_in_graph_modes
+PUSH_FIRST=(tests/test_push_all_reduce.py tests/test_tensor_parallel.py)
+NCCL_FIRST=("$PARITY[nccl-FULL]" "$PARITY[nccl-FULL_AND_PIECEWISE]" tests/test_push_all_reduce.py
+            "$PARITY[push-FULL]" "$PARITY[push-FULL_AND_PIECEWISE]")   # pytest runs node ids in this order
+
 failed=0
 for ((run = 1; run <= RUNS; run++)); do
   caches=()
@@ -46,10 +55,16 @@ for ((run = 1; run <= RUNS; run++)); do
             PYTHONPYCACHEPREFIX="$empty/pycache")
     kind=empty
   fi
+  tests=("${PUSH_FIRST[@]}")
+  order="push first"
+  if ((run % 4 == 1)); then
+    tests=("${NCCL_FIRST[@]}")
+    order="NCCL first"
+  fi
   start=$SECONDS
   env "${caches[@]}" GRAPHRUNNER_PUSH_ALL_REDUCE_TIMEOUT_RECORD=1 \
     python3 -m pytest -v -p no:cacheprovider -m multigpu -rA --durations=0 \
-    tests/test_push_all_reduce.py tests/test_tensor_parallel.py > "$DIR/run$run.log" 2>&1 &
+    "${tests[@]}" > "$DIR/run$run.log" 2>&1 &
   pid=$!
   next_dump=$STALL_S
   while kill -0 "$pid" 2>/dev/null && ((SECONDS - start < RUN_S)); do
@@ -63,13 +78,13 @@ for ((run = 1; run <= RUNS; run++)); do
     dump_stacks "$DIR/run$run-stacks/killed"
     pkill -9 -P "$pid"; kill -9 "$pid"
     [[ -z $empty ]] || rm -rf "$empty"
-    echo "run $run ($kind caches): killed after $RUN_S s; stacks in $DIR/run$run-stacks"
+    echo "run $run ($kind caches, $order): killed after $RUN_S s; stacks in $DIR/run$run-stacks"
     exit 1
   fi
   wait "$pid"
   rc=$?
   ((rc == 0)) || failed=1
-  echo "run $run ($kind caches): $(grep -E '^=+ .* in [0-9.]+s' "$DIR/run$run.log" | tail -1 | tr -d '=' | xargs) [$((SECONDS - start)) s, rc $rc]"
+  echo "run $run ($kind caches, $order): $(grep -E '^=+ .* in [0-9.]+s' "$DIR/run$run.log" | tail -1 | tr -d '=' | xargs) [$((SECONDS - start)) s, rc $rc]"
   grep -o 'push all-reduce timeout: .*' "$DIR/run$run.log" | sort | uniq -c | head -20
   [[ -z $empty ]] || rm -rf "$empty"
 done

@@ -47,18 +47,29 @@ def test_addresses_stage_writes_under_out_and_prints_the_step_table(tmp_path):
 
 def test_soak_keeps_each_runs_log_and_reports_it(tmp_path):
     """Without two GPUs the multigpu tests skip, so a run passes at once: one line per run, the
-    first with empty kernel caches."""
+    first with empty kernel caches and the NCCL engines first, the second in the files' order."""
     done = subprocess.run(["bash", str(SOAK), str(tmp_path), "2"], capture_output=True, text=True, timeout=300, env=ENV)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("run ")]
-    assert [line.split(":")[0] for line in lines] == ["run 1 (empty caches)", "run 2 (warm caches)"]
+    assert [line.split(":")[0] for line in lines] == ["run 1 (empty caches, NCCL first)", "run 2 (warm caches, push first)"]
     assert all("skipped" in line and "rc 0" in line for line in lines)
-    assert "tests/test_tensor_parallel.py" in (tmp_path / "run1.log").read_text()
+
+    def order(run: int) -> list[str]:
+        log = (tmp_path / f"run{run}.log").read_text()
+        return re.findall(r"^tests/\S+::(test_multigpu\S+) SKIPPED", log, flags=re.M)
+
+    parity = "test_multigpu_tp2_matches_tp1_in_graph_modes"
+    kernel_tests = ["test_multigpu_push_all_reduce_equals_nccl",
+                    "test_multigpu_a_peer_that_never_pushes_fails_the_step_after_the_timeout"]
+    assert order(1) == [f"{parity}[nccl-FULL]", f"{parity}[nccl-FULL_AND_PIECEWISE]", *kernel_tests,
+                        f"{parity}[push-FULL]", f"{parity}[push-FULL_AND_PIECEWISE]"]
+    assert order(2) == [*kernel_tests, f"{parity}[push-FULL]", f"{parity}[push-FULL_AND_PIECEWISE]",
+                        f"{parity}[nccl-FULL]", f"{parity}[nccl-FULL_AND_PIECEWISE]"]
 
 
 def test_soak_kills_a_run_past_its_limit_and_stops(tmp_path):
     done = subprocess.run(["bash", str(SOAK), str(tmp_path), "3"], capture_output=True, text=True, timeout=120,
                           env=dict(ENV, RUN_S="2", STALL_S="1"))
     assert done.returncode == 1
-    assert "run 1 (empty caches): killed after 2 s" in done.stdout and "run 2" not in done.stdout
+    assert "run 1 (empty caches, NCCL first): killed after 2 s" in done.stdout and "run 2" not in done.stdout
     assert (tmp_path / "run1-stacks" / "killed" / "gpus.txt").exists()
