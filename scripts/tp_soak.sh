@@ -9,11 +9,13 @@
 # between cold runs: runs 1, 5, 9, ... start with the NCCL engines (the TP parity test with NCCL
 # all-reduces, then the push tests), runs 3, 7, ... with the push tests, as the files list them. Why:
 # in file order the push tests always meet the cold start first, so a failure of whichever TP engine
-# starts first in a cold process could not be told from a failure of the push all-reduce. Every run's output is
-# kept in DIR/runK.log. From STALL_S seconds into a run (default 60; a run takes 60-160 s on two H100s
-# or H200s) the stacks of every python3 process, native frames included, are dumped every 20 s into
-# DIR/runK-stacks/ with py-spy, where it is installed: a push call stuck for the TP group's timeout
-# (120 s) traps, so a stall is dumped before that whenever it began. A run past RUN_S seconds
+# starts first in a cold process could not be told from a failure of the push all-reduce. Every
+# run's output is kept in DIR/runK.log. From STALL_S seconds into a run (default 60; a run takes
+# 60-160 s on two H100s or H200s) the GPUs' load and the stacks of every python3 process, native
+# frames included, are dumped every 20 s with py-spy, where it is installed, each time into one file
+# beside the log (DIR/runK-stacks-tSECONDS.txt; a flat folder of a few files is easy to copy off the
+# machine whole): a push call stuck for the TP group's timeout (120 s) traps, so a stall is dumped
+# before that whenever it began. A run past RUN_S seconds
 # (default 330) is killed and the soak stops there. Prints one line per run: the pytest summary and
 # the seconds it took, then any timeout record the push kernels left (models/push_all_reduce.py: the
 # runs turn it on, GRAPHRUNNER_PUSH_ALL_REDUCE_TIMEOUT_RECORD=1).
@@ -28,14 +30,14 @@ mkdir -p "$DIR"
 SPY=$(command -v py-spy || true)
 [[ -n $SPY ]] || echo "py-spy not found: a stalled run is killed without its stacks"
 
-dump_stacks() {  # dump_stacks FOLDER: every python3 process's stacks (native frames too), and the GPUs' load
-  mkdir -p "$1"
-  nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader > "$1/gpus.txt" 2>&1
+dump_stacks() {  # dump_stacks FILE: the GPUs' load, then every python3 process's stacks (native frames too)
+  nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader > "$1" 2>&1
   [[ -n $SPY ]] || return 0
   local pid
   for pid in $(pgrep -f python3); do
-    timeout 20 "$SPY" dump --native --pid "$pid" > "$1/$pid.txt" 2>&1 \
-      || timeout 10 "$SPY" dump --pid "$pid" > "$1/$pid.txt" 2>&1
+    echo "=== pid $pid: $(ps -o args= -p "$pid" | cut -c1-200)" >> "$1"
+    timeout 20 "$SPY" dump --native --pid "$pid" >> "$1" 2>&1 \
+      || timeout 10 "$SPY" dump --pid "$pid" >> "$1" 2>&1
   done
 }
 
@@ -70,15 +72,15 @@ for ((run = 1; run <= RUNS; run++)); do
   while kill -0 "$pid" 2>/dev/null && ((SECONDS - start < RUN_S)); do
     sleep 2
     if ((SECONDS - start >= next_dump)); then
-      dump_stacks "$DIR/run$run-stacks/t$((SECONDS - start))"
+      dump_stacks "$DIR/run$run-stacks-t$((SECONDS - start)).txt"
       next_dump=$((next_dump + 20))
     fi
   done
   if kill -0 "$pid" 2>/dev/null; then
-    dump_stacks "$DIR/run$run-stacks/killed"
+    dump_stacks "$DIR/run$run-stacks-killed.txt"
     pkill -9 -P "$pid"; kill -9 "$pid"
     [[ -z $empty ]] || rm -rf "$empty"
-    echo "run $run ($kind caches, $order): killed after $RUN_S s; stacks in $DIR/run$run-stacks"
+    echo "run $run ($kind caches, $order): killed after $RUN_S s; stacks in $DIR/run$run-stacks-*.txt"
     exit 1
   fi
   wait "$pid"

@@ -72,4 +72,5 @@ def test_soak_kills_a_run_past_its_limit_and_stops(tmp_path):
                           env=dict(ENV, RUN_S="2", STALL_S="1"))
     assert done.returncode == 1
     assert "run 1 (empty caches, NCCL first): killed after 2 s" in done.stdout and "run 2" not in done.stdout
-    assert (tmp_path / "run1-stacks" / "killed" / "gpus.txt").exists()
+    assert (tmp_path / "run1-stacks-killed.txt").exists()
+    assert not [path for path in tmp_path.iterdir() if path.is_dir()]   # one flat folder
