@@ -5,7 +5,9 @@
 # Each run is `pytest -m multigpu tests/test_push_all_reduce.py tests/test_tensor_parallel.py` in a
 # fresh process; odd runs start as cold as a first run on a fresh machine, the condition of the
 # stalls seen so far: empty kernel caches (a fresh GRAPHRUNNER_CACHE_DIR, TRITON_CACHE_DIR and
-# CUDA_CACHE_PATH) and no compiled Python files (a fresh PYTHONPYCACHEPREFIX). The order alternates
+# CUDA_CACHE_PATH) and no compiled Python files (a fresh PYTHONPYCACHEPREFIX); even runs are warm:
+# they take the folders the cold run before them filled (not the default ones, which are as empty
+# as a cold run's on a fresh machine, so a run there would be warm in name only). The order alternates
 # between cold runs: runs 1, 5, 9, ... start with the NCCL engines (the TP parity test with NCCL
 # all-reduces, then the push tests), runs 3, 7, ... with the push tests, as the files list them. Why:
 # in file order the push tests always meet the cold start first, so a failure of whichever TP engine
@@ -47,16 +49,17 @@ NCCL_FIRST=("$PARITY[nccl-FULL]" "$PARITY[nccl-FULL_AND_PIECEWISE]" tests/test_p
             "$PARITY[push-FULL]" "$PARITY[push-FULL_AND_PIECEWISE]")   # pytest runs node ids in this order
 
 failed=0
+folders=""   # the cache folders of the last cold run, which the warm run after it takes
+trap '[[ -z $folders ]] || rm -rf "$folders"' EXIT
 for ((run = 1; run <= RUNS; run++)); do
-  caches=()
-  empty=""
   kind=warm
   if ((run % 2)); then
-    empty=$(mktemp -d)
-    caches=(GRAPHRUNNER_CACHE_DIR="$empty" TRITON_CACHE_DIR="$empty/triton" CUDA_CACHE_PATH="$empty/nv"
-            PYTHONPYCACHEPREFIX="$empty/pycache")
+    [[ -z $folders ]] || rm -rf "$folders"
+    folders=$(mktemp -d)
     kind=empty
   fi
+  caches=(GRAPHRUNNER_CACHE_DIR="$folders" TRITON_CACHE_DIR="$folders/triton" CUDA_CACHE_PATH="$folders/nv"
+          PYTHONPYCACHEPREFIX="$folders/pycache")
   tests=("${PUSH_FIRST[@]}")
   order="push first"
   if ((run % 4 == 1)); then
@@ -79,7 +82,6 @@ for ((run = 1; run <= RUNS; run++)); do
   if kill -0 "$pid" 2>/dev/null; then
     dump_stacks "$DIR/run$run-stacks-killed.txt"
     pkill -9 -P "$pid"; kill -9 "$pid"
-    [[ -z $empty ]] || rm -rf "$empty"
     echo "run $run ($kind caches, $order): killed after $RUN_S s; stacks in $DIR/run$run-stacks-*.txt"
     exit 1
   fi
@@ -88,6 +90,5 @@ for ((run = 1; run <= RUNS; run++)); do
   ((rc == 0)) || failed=1
   echo "run $run ($kind caches, $order): $(grep -E '^=+ .* in [0-9.]+s' "$DIR/run$run.log" | tail -1 | tr -d '=' | xargs) [$((SECONDS - start)) s, rc $rc]"
   grep -o 'push all-reduce timeout: .*' "$DIR/run$run.log" | sort | uniq -c | head -20
-  [[ -z $empty ]] || rm -rf "$empty"
 done
 exit $failed
