@@ -32,8 +32,10 @@ mkdir -p "$DIR"
 SPY=$(command -v py-spy || true)
 [[ -n $SPY ]] || echo "py-spy not found: a stalled run is killed without its stacks"
 
-dump_stacks() {  # dump_stacks FILE: the GPUs' load, then every python3 process's stacks (native frames too)
+dump_stacks() {  # dump_stacks FILE: the GPUs' load and the processes holding them, then every python3
+  # process's stacks (native frames too)
   nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader > "$1" 2>&1
+  nvidia-smi --query-compute-apps=gpu_bus_id,pid,used_memory --format=csv,noheader >> "$1" 2>&1
   [[ -n $SPY ]] || return 0
   local pid
   for pid in $(pgrep -f python3); do
