@@ -20,7 +20,9 @@
 # before that whenever it began. A run past RUN_S seconds
 # (default 330) is killed and the soak stops there. Prints one line per run: the pytest summary and
 # the seconds it took, then any timeout record the push kernels left (models/push_all_reduce.py: the
-# runs turn it on, GRAPHRUNNER_PUSH_ALL_REDUCE_TIMEOUT_RECORD=1).
+# runs turn it on, GRAPHRUNNER_PUSH_ALL_REDUCE_TIMEOUT_RECORD=1), each also appended to
+# DIR/summary.txt as the run ends (gpu_suite.sh shows a stage's output only when the stage ends, so
+# an outer time limit that cuts the soak short would otherwise lose every run's line).
 # Exits 1 if a run failed or was killed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +33,10 @@ RUN_S=${RUN_S:-330}
 mkdir -p "$DIR"
 SPY=$(command -v py-spy || true)
 [[ -n $SPY ]] || echo "py-spy not found: a stalled run is killed without its stacks"
+
+report() {  # report LINE: printed, and appended to DIR/summary.txt at once
+  echo "$1" | tee -a "$DIR/summary.txt"
+}
 
 dump_stacks() {  # dump_stacks FILE: the GPUs' load and the processes holding them, then every python3
   # process's stacks (native frames too)
@@ -84,13 +90,13 @@ for ((run = 1; run <= RUNS; run++)); do
   if kill -0 "$pid" 2>/dev/null; then
     dump_stacks "$DIR/run$run-stacks-killed.txt"
     pkill -9 -P "$pid"; kill -9 "$pid"
-    echo "run $run ($kind caches, $order): killed after $RUN_S s; stacks in $DIR/run$run-stacks-*.txt"
+    report "run $run ($kind caches, $order): killed after $RUN_S s; stacks in $DIR/run$run-stacks-*.txt"
     exit 1
   fi
   wait "$pid"
   rc=$?
   ((rc == 0)) || failed=1
-  echo "run $run ($kind caches, $order): $(grep -E '^=+ .* in [0-9.]+s' "$DIR/run$run.log" | tail -1 | tr -d '=' | xargs) [$((SECONDS - start)) s, rc $rc]"
-  grep -o 'push all-reduce timeout: .*' "$DIR/run$run.log" | sort | uniq -c | head -20
+  report "run $run ($kind caches, $order): $(grep -E '^=+ .* in [0-9.]+s' "$DIR/run$run.log" | tail -1 | tr -d '=' | xargs) [$((SECONDS - start)) s, rc $rc]"
+  grep -o 'push all-reduce timeout: .*' "$DIR/run$run.log" | sort | uniq -c | head -20 | tee -a "$DIR/summary.txt"
 done
 exit $failed

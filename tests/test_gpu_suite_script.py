@@ -1,8 +1,8 @@
 """scripts/gpu_suite.sh on a CPU: its stages are named for what they measure, a wrong stage is
 refused before anything runs, and a stage that runs without a GPU (the address check) writes its
 raw output under --out and ends with the table of steps. scripts/tp_soak.sh (the tp-soak stage)
-keeps every run's log, reports each run, and kills a run past its time limit after dumping what
-it can of it."""
+keeps every run's log, reports each run (also into a summary file as it goes), and kills a run
+past its time limit after dumping what it can of it."""
 
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ def test_soak_keeps_each_runs_log_and_reports_it(tmp_path):
     lines = [line for line in done.stdout.splitlines() if line.startswith("run ")]
     assert [line.split(":")[0] for line in lines] == ["run 1 (empty caches, NCCL first)", "run 2 (warm caches, push first)"]
     assert all("skipped" in line and "rc 0" in line for line in lines)
+    assert (tmp_path / "summary.txt").read_text().splitlines() == lines   # kept as each run ends
 
     def order(run: int) -> list[str]:
         log = (tmp_path / f"run{run}.log").read_text()
@@ -72,5 +73,6 @@ def test_soak_kills_a_run_past_its_limit_and_stops(tmp_path):
                           env=dict(ENV, RUN_S="2", STALL_S="1"))
     assert done.returncode == 1
     assert "run 1 (empty caches, NCCL first): killed after 2 s" in done.stdout and "run 2" not in done.stdout
+    assert "run 1 (empty caches, NCCL first): killed after 2 s" in (tmp_path / "summary.txt").read_text()
     assert (tmp_path / "run1-stacks-killed.txt").exists()
     assert not [path for path in tmp_path.iterdir() if path.is_dir()]   # one flat folder
