@@ -6,18 +6,18 @@
 # fresh process; odd runs start as cold as a first run on a fresh machine, the condition of the
 # stalls seen so far: empty kernel caches (a fresh GRAPHRUNNER_CACHE_DIR, TRITON_CACHE_DIR and
 # CUDA_CACHE_PATH) and no compiled Python files (a fresh PYTHONPYCACHEPREFIX); even runs are warm:
-# they take the folders the cold run before them filled (not the default ones, which are as empty
-# as a cold run's on a fresh machine, so a run there would be warm in name only). The order alternates
+# they take the folders the cold run before them filled (not the default ones, which are as empty as
+# a cold run's on a fresh machine, so a run there would be warm in name only). The order alternates
 # between cold runs: runs 1, 5, 9, ... start with the NCCL engines (the TP parity test with NCCL
-# all-reduces, then the push tests), runs 3, 7, ... with the push tests, as the files list them. Why:
-# in file order the push tests always meet the cold start first, so a failure of whichever TP engine
-# starts first in a cold process could not be told from a failure of the push all-reduce. Every
-# run's output is kept in DIR/runK.log. From STALL_S seconds into a run (default 60; a run takes
-# 60-160 s on two H100s or H200s) the GPUs' load and the stacks of every python3 process, native
-# frames included, are dumped every 20 s with py-spy, where it is installed, each time into one file
-# beside the log (DIR/runK-stacks-tSECONDS.txt; a flat folder of a few files is easy to copy off the
-# machine whole): a push call stuck for the TP group's timeout (120 s) traps, so a stall is dumped
-# before that whenever it began. A run past RUN_S seconds
+# all-reduces, then the push tests), runs 3, 7, ... with the push tests, as the files list them.
+# Why: in file order the push tests always meet the cold start first, so a failure of whichever TP
+# engine starts first in a cold process could not be told from a failure of the push all-reduce.
+# Every run's output is kept in DIR/runK.log. From STALL_S seconds into a run (default 60; a run
+# takes 60-160 s on two H100s or H200s) the GPUs' load, the processes holding them and the stacks of
+# every python3 process, native frames included, are dumped every 20 s with py-spy, where it is
+# installed, each time into one file beside the log (DIR/runK-stacks-tSECONDS.txt; a flat folder of
+# a few files is easy to copy off the machine whole): a push call stuck for the TP group's timeout
+# (120 s) traps, so a stall is dumped before that whenever it began. A run past RUN_S seconds
 # (default 330) is killed and the soak stops there. Prints one line per run: the pytest summary and
 # the seconds it took, then any timeout record the push kernels left (models/push_all_reduce.py: the
 # runs turn it on, GRAPHRUNNER_PUSH_ALL_REDUCE_TIMEOUT_RECORD=1), each also appended to
@@ -34,8 +34,8 @@ mkdir -p "$DIR"
 SPY=$(command -v py-spy || true)
 [[ -n $SPY ]] || echo "py-spy not found: a stalled run is killed without its stacks"
 
-report() {  # report LINE: printed, and appended to DIR/summary.txt at once
-  echo "$1" | tee -a "$DIR/summary.txt"
+report() {  # ... | report: the lines printed, and appended to DIR/summary.txt at once
+  tee -a "$DIR/summary.txt"
 }
 
 dump_stacks() {  # dump_stacks FILE: the GPUs' load and the processes holding them, then every python3
@@ -90,13 +90,13 @@ for ((run = 1; run <= RUNS; run++)); do
   if kill -0 "$pid" 2>/dev/null; then
     dump_stacks "$DIR/run$run-stacks-killed.txt"
     pkill -9 -P "$pid"; kill -9 "$pid"
-    report "run $run ($kind caches, $order): killed after $RUN_S s; stacks in $DIR/run$run-stacks-*.txt"
+    echo "run $run ($kind caches, $order): killed after $RUN_S s; stacks in $DIR/run$run-stacks-*.txt" | report
     exit 1
   fi
   wait "$pid"
   rc=$?
   ((rc == 0)) || failed=1
-  report "run $run ($kind caches, $order): $(grep -E '^=+ .* in [0-9.]+s' "$DIR/run$run.log" | tail -1 | tr -d '=' | xargs) [$((SECONDS - start)) s, rc $rc]"
-  grep -o 'push all-reduce timeout: .*' "$DIR/run$run.log" | sort | uniq -c | head -20 | tee -a "$DIR/summary.txt"
+  echo "run $run ($kind caches, $order): $(grep -E '^=+ .* in [0-9.]+s' "$DIR/run$run.log" | tail -1 | tr -d '=' | xargs) [$((SECONDS - start)) s, rc $rc]" | report
+  grep -o 'push all-reduce timeout: .*' "$DIR/run$run.log" | sort | uniq -c | head -20 | report
 done
 exit $failed
