@@ -3,15 +3,21 @@
 # all-reduce (docs/PARALLEL.md, "Push all-reduce"):
 #   bash scripts/tp_soak.sh DIR [RUNS]          (RUNS default 5; gpu_suite.sh's tp-soak stage)
 # Each run is `pytest -m multigpu tests/test_push_all_reduce.py tests/test_tensor_parallel.py` in a
-# fresh process; odd runs start as cold as a first run on a fresh machine, the condition of the
-# stalls seen so far: empty kernel caches (a fresh GRAPHRUNNER_CACHE_DIR, TRITON_CACHE_DIR and
-# CUDA_CACHE_PATH) and no compiled Python files (a fresh PYTHONPYCACHEPREFIX); even runs are warm:
-# they take the folders the cold run before them filled (not the default ones, which are as empty as
-# a cold run's on a fresh machine, so a run there would be warm in name only). The order alternates
-# between cold runs: runs 1, 5, 9, ... start with the NCCL engines (the TP parity test with NCCL
-# all-reduces, then the push tests), runs 3, 7, ... with the push tests, as the files list them.
-# Why: in file order the push tests always meet the cold start first, so a failure of whichever TP
-# engine starts first in a cold process could not be told from a failure of the push all-reduce.
+# fresh process. TP_SOAK_ORDER picks what the runs are:
+# - alternate (the default): odd runs start as cold as a first run on a fresh machine: empty kernel
+#   caches (a fresh GRAPHRUNNER_CACHE_DIR, TRITON_CACHE_DIR and CUDA_CACHE_PATH) and no compiled
+#   Python files (a fresh PYTHONPYCACHEPREFIX); even runs are warm: they take the folders the cold
+#   run before them filled. Runs 1, 5, 9, ... start with the NCCL engines (the TP parity test with
+#   NCCL all-reduces, then the push tests), runs 3, 7, ... with the push tests, as the files list
+#   them, so that a failure of whichever TP engine meets the cold start first can be told from one
+#   of the push all-reduce;
+# - cold-push: every run cold, the push tests only (the NCCL parity tests deselected), the page
+#   cache dropped first where this user may (as after a machine's start): the runs most stalls
+#   came in.
+# TP_SOAK_TRACE=1 (the default) traces every process of a run (scripts/push_trace/sitecustomize.py:
+# DIR/runK-trace-PID.txt, each push call, collective, graph and start-up phase, and a snapshot of
+# the push kernels' counters and slots when a synchronize stalls); TP_SOAK_PEER_TIMEOUT_S shortens
+# the push kernels' peer timeout (120 s, the TP group's), so a stalled run traps and goes on.
 # Every run's output is kept in DIR/runK.log. From STALL_S seconds into a run (default 60; a run
 # takes 60-160 s on two H100s or H200s) the GPUs' load, the processes holding them and the stacks of
 # every python3 process, native frames included, are dumped every 20 s with py-spy, where it is
@@ -30,7 +36,11 @@ DIR=${1:?usage: bash scripts/tp_soak.sh DIR [RUNS]}
 RUNS=${2:-5}
 STALL_S=${STALL_S:-60}
 RUN_S=${RUN_S:-330}
+ORDER=${TP_SOAK_ORDER:-alternate}
+TRACE=${TP_SOAK_TRACE:-1}
+[[ $ORDER == alternate || $ORDER == cold-push ]] || { echo "TP_SOAK_ORDER: alternate or cold-push, not '$ORDER'" >&2; exit 2; }
 mkdir -p "$DIR"
+DIR=$(cd "$DIR" && pwd)   # the traces are written from the runs' own folders
 SPY=$(command -v py-spy || true)
 [[ -n $SPY ]] || echo "py-spy not found: a stalled run is killed without its stacks"
 
@@ -61,7 +71,7 @@ folders=""   # the cache folders of the last cold run, which the warm run after 
 trap '[[ -z $folders ]] || rm -rf "$folders"' EXIT
 for ((run = 1; run <= RUNS; run++)); do
   kind=warm
-  if ((run % 2)); then
+  if ((run % 2)) || [[ $ORDER == cold-push ]]; then
     [[ -z $folders ]] || rm -rf "$folders"
     folders=$(mktemp -d)
     kind=empty
@@ -70,12 +80,21 @@ for ((run = 1; run <= RUNS; run++)); do
           PYTHONPYCACHEPREFIX="$folders/pycache")
   tests=("${PUSH_FIRST[@]}")
   order="push first"
-  if ((run % 4 == 1)); then
+  if [[ $ORDER == cold-push ]]; then
+    tests=(-k "not nccl" "${PUSH_FIRST[@]}")
+    order="push only"
+    sync; echo 3 2>/dev/null > /proc/sys/vm/drop_caches && order+=", page cache dropped"
+  elif ((run % 4 == 1)); then
     tests=("${NCCL_FIRST[@]}")
     order="NCCL first"
   fi
+  traced=()
+  if ((TRACE)); then
+    traced=(PYTHONPATH="$PWD/scripts/push_trace${PYTHONPATH:+:$PYTHONPATH}" PUSH_TRACE_PREFIX="$DIR/run$run-trace")
+    [[ -z ${TP_SOAK_PEER_TIMEOUT_S:-} ]] || traced+=(PUSH_TRACE_TIMEOUT_S="$TP_SOAK_PEER_TIMEOUT_S")
+  fi
   start=$SECONDS
-  env "${caches[@]}" GRAPHRUNNER_PUSH_ALL_REDUCE_TIMEOUT_RECORD=1 \
+  env "${caches[@]}" "${traced[@]}" GRAPHRUNNER_PUSH_ALL_REDUCE_TIMEOUT_RECORD=1 \
     python3 -m pytest -v -p no:cacheprovider -m multigpu -rA --durations=0 \
     "${tests[@]}" > "$DIR/run$run.log" 2>&1 &
   pid=$!

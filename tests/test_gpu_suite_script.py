@@ -1,8 +1,9 @@
 """scripts/gpu_suite.sh on a CPU: its stages are named for what they measure, a wrong stage is
 refused before anything runs, and a stage that runs without a GPU (the address check) writes its
 raw output under --out and ends with the table of steps. scripts/tp_soak.sh (the tp-soak stage)
-keeps every run's log, reports each run (also into a summary file as it goes), and kills a run
-past its time limit after dumping what it can of it."""
+keeps every run's log and trace, reports each run (also into a summary file as it goes), runs
+every run cold with the push tests only when asked, and kills a run past its time limit after
+dumping what it can of it."""
 
 from __future__ import annotations
 
@@ -66,6 +67,22 @@ def test_soak_keeps_each_runs_log_and_reports_it(tmp_path):
                         f"{parity}[push-FULL]", f"{parity}[push-FULL_AND_PIECEWISE]"]
     assert order(2) == [*kernel_tests, f"{parity}[push-FULL]", f"{parity}[push-FULL_AND_PIECEWISE]",
                         f"{parity}[nccl-FULL]", f"{parity}[nccl-FULL_AND_PIECEWISE]"]
+
+
+def test_soak_cold_push_runs_every_run_cold_with_the_push_tests_only(tmp_path):
+    done = subprocess.run(["bash", str(SOAK), str(tmp_path), "2"], capture_output=True, text=True, timeout=300,
+                          env=dict(ENV, TP_SOAK_ORDER="cold-push"))
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("run ")]
+    assert [re.sub(r", page cache dropped", "", line.split(":")[0]) for line in lines] == [
+        "run 1 (empty caches, push only)", "run 2 (empty caches, push only)"]
+    log = (tmp_path / "run2.log").read_text()
+    assert "test_multigpu_tp2_matches_tp1_in_graph_modes[push-FULL] SKIPPED" in log and "nccl-FULL" not in log
+    # every process of a run traced (the pytest process at least: it imports the traced modules)
+    assert list(tmp_path.glob("run1-trace-*.txt")) and list(tmp_path.glob("run2-trace-*.txt"))
+    refused = subprocess.run(["bash", str(SOAK), str(tmp_path / "x"), "1"], capture_output=True, text=True,
+                             timeout=60, env=dict(ENV, TP_SOAK_ORDER="random"))
+    assert refused.returncode == 2 and "TP_SOAK_ORDER: alternate or cold-push, not 'random'" in refused.stderr
 
 
 def test_soak_kills_a_run_past_its_limit_and_stops(tmp_path):
