@@ -1,0 +1,37 @@
+"""scripts/push_protocol_model.py: the protocol in step ends with every call done; a skipped count
+or calls in flight can stall it, and the model finds those stalls; a stall with a tag in the slot of
+the other parity is reachable in no variant."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+import push_protocol_model as model  # noqa: E402
+
+
+def test_in_step_every_call_ends():
+    assert model.end_states([model.counted(10), model.counted(10)]) == {(None, None)}
+
+
+def test_a_skipped_count_stalls_both_ranks():
+    # rank 1 counts 6 at its fifth call: rank 0 waits for 5 (slots 3, then 6), rank 1 for 6 (4, 5)
+    assert ((5, 3, 6), (6, 4, 5)) in model.end_states([model.counted(10), model.counted(10, 5, 6)])
+
+
+def test_two_calls_in_flight_break_the_two_slots():
+    ends = model.end_states([model.counted(10), model.counted(10)], in_flight=2)
+    assert ((2, 4, 5), (4, 2, 3)) in ends   # a rank's next push overwrote the slot its peer still waited on
+
+
+def test_main_says_which_variant_reaches_a_stall(capsys):
+    assert model.main(["--calls", "10", "--stall", "5,3,6", "6,4,5", "--around", "1", "10"]) == 1
+    assert "reachable: rank 1's count skipped at call 5" in capsys.readouterr().out
+
+
+def test_a_tag_in_the_other_paritys_slot_is_reachable_in_no_variant(capsys):
+    # the shape of the recorded stall: rank 1 waits for call 6 and its slot of 6's parity holds 5
+    assert model.main(["--calls", "12", "--stall", "6,4,7", "6,5,6", "--around", "1", "12"]) == 0
+    assert "reachable in 0 variant(s)" in capsys.readouterr().out
