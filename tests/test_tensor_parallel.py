@@ -203,6 +203,35 @@ def test_teardown_releases_graphs_before_destroying_groups(monkeypatch, failure)
     assert state.release_graphs is None
 
 
+@pytest.mark.parametrize("abort", [False, True])
+def test_an_abort_that_blocks_delays_the_teardown_only_so_long(monkeypatch, caplog, abort):
+    """A failure's teardown aborts the NCCL groups on a helper thread and goes on after
+    ABORT_WAIT_S if the abort blocks (it can wait on an operation of the failed step); a clean
+    one destroys them in turn, on the caller's thread."""
+    import threading
+    from runner.distributed import comm
+    release, calls = threading.Event(), []
+
+    def blocking_destroy(group, aborting):
+        calls.append((group, aborting, threading.current_thread().name))
+        if aborting:
+            release.wait(30)
+    monkeypatch.setattr(comm, "_destroy", blocking_destroy)
+    monkeypatch.setattr(comm, "ABORT_WAIT_S", 0.3)
+    monkeypatch.setattr(comm.dist, "is_initialized", lambda: True)
+    groups = comm.DistributedGroups(0, Topology(tp_size=2, pp_size=1), "nccl", None, None, None, None, True)
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="runner.distributed.comm"):
+        comm.destroy_groups(groups, abort=abort)
+    release.set()
+    assert time.monotonic() - started < 5
+    if abort:
+        assert calls == [(None, True, "graphrunner-nccl-abort")]
+        assert "aborting the NCCL communicators has not ended after 0 s" in caplog.text
+    else:
+        assert calls == [(None, False, threading.current_thread().name)] and not caplog.text
+
+
 def test_a_push_all_reduce_timeout_reaches_rank_0s_error_and_log(monkeypatch, caplog):
     """A step that trapped in the push all-reduce: rank 0's error carries what its kernels waited
     for (models/push_all_reduce.PushAllReduce.timeouts), and the teardown logs it, which also

@@ -23,6 +23,7 @@ import datetime
 import logging
 import os
 import secrets
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -116,19 +117,36 @@ def init_groups(backend: str, rank: int, topology: Topology, timeout_s: float,
     return DistributedGroups(rank, topology, backend, None, control, objects, mine, owns, tp_groups)
 
 
+ABORT_WAIT_S = 10.0
+"""How long a failure's teardown waits for the NCCL communicators' abort (`destroy_groups`)."""
+
+
 def destroy_groups(groups: DistributedGroups | None, abort: bool = False) -> None:
     """Destroy what `init_groups` created (the default group only if it made it).
-    `abort`: a peer died, so NCCL communicators may hold operations that never complete;
-    abort them rather than wait (gloo needs nothing special)."""
+    `abort`: a step or start-up failed (a peer died, a kernel trapped), so NCCL communicators may
+    hold operations that never complete; abort them rather than wait (gloo needs nothing special).
+    The abort itself can block on those operations (`ProcessGroupNCCL::abort` waited over 120 s
+    after a push all-reduce kernel trapped in start-up: docs/PARALLEL.md, "Push all-reduce"), so it
+    runs on a daemon thread and the teardown goes on after ABORT_WAIT_S, leaving the groups to it:
+    the failure's error then reaches the caller instead of waiting behind them."""
     if groups is None or not dist.is_initialized():
         return
     abort = abort and groups.backend == "nccl"
-    if groups.owns_default_group:
-        _destroy(None, abort)  # the default group takes every other group with it
+    targets = [None] if groups.owns_default_group else [   # the default group takes every other with it
+        group for group in (*groups.tp_groups, groups.object_group, groups.control_group)
+        if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER]
+    if not abort:
+        for group in targets:
+            _destroy(group, False)
         return
-    for group in (*groups.tp_groups, groups.object_group, groups.control_group):
-        if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
-            _destroy(group, abort)
+    aborting = threading.Thread(target=lambda: [_destroy(group, True) for group in targets],
+                                name="graphrunner-nccl-abort", daemon=True)
+    aborting.start()
+    aborting.join(ABORT_WAIT_S)
+    if aborting.is_alive():
+        logger.warning("aborting the NCCL communicators has not ended after %.0f s (an operation of the failed "
+                       "step holds them); going on without them: this process's torch.distributed stays "
+                       "initialised, so a new multi-process engine needs a new process", ABORT_WAIT_S)
 
 
 def _destroy(group, abort: bool) -> None:
