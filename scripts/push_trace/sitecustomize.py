@@ -161,7 +161,7 @@ def _watch() -> None:
         if since is not None and not _sync["snapped"] and time.monotonic() - since > STALL_S:
             _sync["snapped"] = True
             log("STALL: in torch.cuda.synchronize for", round(time.monotonic() - since, 1), "s")
-            for push in list(_pushes):
+            for push in [p for p in _pushes if p.trace_snapshot is not None]:
                 try:
                     snapshot(push)
                 except Exception as error:  # noqa: BLE001 - a diagnostic: say so and go on
@@ -186,7 +186,11 @@ def _patch_push_all_reduce(module) -> None:
             kwargs["peer_timeout_s"] = float(timeout)
         init(self, buffers, rank, max_bytes, *args, **kwargs)
         log("push all-reduce set up: rank", rank, "of", len(buffers), "peer timeout", self.timeout_ns / 1e9, "s")
-        prepare_snapshot(self)
+        try:
+            prepare_snapshot(self)
+        except Exception as error:  # noqa: BLE001 - a diagnostic must not stop the engine
+            self.trace_snapshot = None
+            log("no stall snapshot:", repr(error))
         _pushes.append(self)
         if len(_pushes) == 1:
             threading.Thread(target=_watch, name="push-trace", daemon=True).start()
