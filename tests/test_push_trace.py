@@ -2,7 +2,8 @@
 on a CPU: each rank of a TP=2 engine writes its start-up phases, steps and collectives in the same
 order as its peer; a push all-reduce's peer timeout is shortened to PUSH_TRACE_TIMEOUT_S (never
 lengthened); its timeout record is logged as soon as a row is written; and a synchronize that
-lasts PUSH_TRACE_STALL_S logs a snapshot of the counters, tickets and slot tags."""
+lasts PUSH_TRACE_STALL_S logs a snapshot of the counters, tickets and slot tags; the allocator
+blocks it reports are every block over the range asked."""
 
 from __future__ import annotations
 
@@ -119,3 +120,22 @@ def test_a_timeout_record_and_a_stalled_synchronize_are_logged(tmp_path):
     assert "SNAPSHOT rank 0 own buffer region 0 parity 0 from rank 1 lanes 0:1024 tags 0..0" in events
     assert "SNAPSHOT rank 0 rank 1's buffer region 1 parity 0 from rank 0 lanes 0:1024 tags 5..5" in events
     assert not any("from rank 0" in e for e in events if "own buffer" in e)   # its own slots are not read there
+
+
+def test_blocks_at_names_every_block_over_a_range():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("push_trace_under_test", TRACE / "sitecustomize.py")
+    trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trace)   # PUSH_TRACE_PREFIX unset here: it patches nothing
+    segments = [{"address": 0x1000, "total_size": 0x1000, "segment_type": "small", "blocks": [
+                    {"size": 0x200, "state": "active_allocated"}, {"size": 0x200, "state": "inactive"},
+                    {"size": 0xC00, "state": "active_allocated"}]},
+                {"address": 0x4000, "total_size": 0x2000, "segment_type": "large", "is_expandable": True,
+                 "blocks": [{"address": 0x4000, "size": 0x2000, "state": "active_allocated"}]}]
+    assert trace.blocks_at(segments, 0x1200, 0x1400) == ["block 0x1200+512 inactive in small segment 0x1000+4096"]
+    assert trace.blocks_at(segments, 0x11F0, 0x1210) == [
+        "block 0x1000+512 active_allocated in small segment 0x1000+4096",
+        "block 0x1200+512 inactive in small segment 0x1000+4096"]
+    assert trace.blocks_at(segments, 0x5000, 0x5008) == [
+        "block 0x4000+8192 active_allocated in large segment 0x4000+8192 (expandable)"]
+    assert trace.blocks_at(segments, 0x3000, 0x3100) == []

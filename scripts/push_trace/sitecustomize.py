@@ -9,10 +9,13 @@ every Python process writes PREFIX-PID.txt, one line per event, flushed as it ha
 - each CUDA graph the wrappers capture or replay;
 - a push kernel's timeout record as soon as it is written (read from pinned host memory, so it
   survives the trap);
+- at set-up, the caching allocator's blocks under the push kernels' buffer, counters and tickets
+  (each must be one block of its own);
 - a snapshot when the main thread has waited in `torch.cuda.synchronize` for STALL_S seconds
-  (PUSH_TRACE_STALL_S, default 8): the push kernels' call counters, the GEMVs' tickets, and the
-  tags of the words in every slot of this rank's buffer and in this rank's slots of each peer's,
-  copied on a stream of their own, so the copies do not wait for the stalled kernels.
+  (PUSH_TRACE_STALL_S, default 8): those blocks again, the push kernels' call counters, the GEMVs'
+  tickets, and the tags of the words in every slot of this rank's buffer and in this rank's slots
+  of each peer's, copied on a stream of their own, so the copies do not wait for the stalled
+  kernels.
 Comparing the ranks' files shows whether their calls diverged on the host (the sequences differ)
 or on the GPU (same sequences, different counts or tags). PUSH_TRACE_TIMEOUT_S shortens the push
 kernels' peer timeout (not below what a caller passes), so a stall ends in seconds.
@@ -122,6 +125,38 @@ def slot_tags(words, world: int, max_bytes: int, sources) -> list[str]:
     return lines
 
 
+def blocks_at(segments: list[dict], start: int, end: int) -> list[str]:
+    """The caching allocator's blocks (torch.cuda.memory_snapshot()'s segments) that overlap
+    [start, end), each with its segment: whether memory the push kernels use is also handed out
+    for something else (it must not be: their buffers and counters are one block each)."""
+    found = []
+    for segment in segments:
+        address = segment["address"]
+        if address >= end or address + segment["total_size"] <= start:
+            continue
+        offset = address
+        for block in segment.get("blocks", []):
+            block_start = block.get("address", offset)
+            offset = block_start + block["size"]
+            if block_start < end and offset > start:
+                found.append(f"block {block_start:#x}+{block['size']} {block['state']} in {segment.get('segment_type')} "
+                             f"segment {address:#x}+{segment['total_size']}"
+                             f"{' (expandable)' if segment.get('is_expandable') else ''}")
+    return found
+
+
+def log_blocks(push, when: str) -> None:
+    """Log the allocator's blocks under the push kernels' own buffer, counters and tickets."""
+    import torch
+    if push.buffer.device.type != "cuda":
+        return
+    segments = torch.cuda.memory_snapshot()
+    for name, tensor in (("own buffer", push.buffer), ("counters", push.counters), ("tickets", push.tickets)):
+        start = tensor.data_ptr()
+        for line in blocks_at(segments, start, start + tensor.numel() * tensor.element_size()):
+            log(when, "rank", push.rank, name, f"{start:#x}:", line)
+
+
 def snapshot(push) -> None:
     """Log `push`'s counters, tickets and slot tags (`slot_tags`): of its own buffer, the slots its
     peers write; of each peer's buffer, the slots this rank writes."""
@@ -135,6 +170,7 @@ def snapshot(push) -> None:
             host.copy_(buffer.view(torch.int64), non_blocking=True)
     if stream is not None:
         stream.synchronize()
+    log_blocks(push, "SNAPSHOT")
     log("SNAPSHOT rank", push.rank, "counters", taken["counters"].tolist())
     log("SNAPSHOT rank", push.rank, "tickets", taken["tickets"].tolist())
     for rank, words in enumerate(taken["buffers"]):
@@ -187,6 +223,8 @@ def _patch_push_all_reduce(module) -> None:
         init(self, buffers, rank, max_bytes, *args, **kwargs)
         log("push all-reduce set up: rank", rank, "of", len(buffers), "peer timeout", self.timeout_ns / 1e9, "s")
         try:
+            log("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+            log_blocks(self, "SET UP")
             prepare_snapshot(self)
         except Exception as error:  # noqa: BLE001 - a diagnostic must not stop the engine
             self.trace_snapshot = None
