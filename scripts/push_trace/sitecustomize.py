@@ -170,7 +170,6 @@ def snapshot(push) -> None:
             host.copy_(buffer.view(torch.int64), non_blocking=True)
     if stream is not None:
         stream.synchronize()
-    log_blocks(push, "SNAPSHOT")
     log("SNAPSHOT rank", push.rank, "counters", taken["counters"].tolist())
     log("SNAPSHOT rank", push.rank, "tickets", taken["tickets"].tolist())
     for rank, words in enumerate(taken["buffers"]):
@@ -178,6 +177,7 @@ def snapshot(push) -> None:
         sources = [r for r in range(push.world) if r != push.rank] if mine else [push.rank]
         for line in slot_tags(words, push.world, push.max_bytes, sources):
             log("SNAPSHOT rank", push.rank, "own buffer" if mine else f"rank {rank}'s buffer", line)
+    log_blocks(push, "SNAPSHOT")
 
 
 class _nothing:
