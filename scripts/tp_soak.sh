@@ -12,8 +12,8 @@
 #   them, so that a failure of whichever TP engine meets the cold start first can be told from one
 #   of the push all-reduce;
 # - cold-push: every run cold, the push tests only (the NCCL parity tests deselected), the page
-#   cache dropped first where this user may (as after a machine's start): the runs most stalls
-#   came in.
+#   cache dropped first where this user may (as after a machine's start): the runs that stalled
+#   most often (two in 27, against three in about 85 alternating runs).
 # TP_SOAK_TRACE=1 (the default) traces every process of a run (scripts/push_trace/sitecustomize.py:
 # DIR/runK-trace-PID.txt, each push call, collective, graph and start-up phase, and a snapshot of
 # the push kernels' counters and slots when a synchronize stalls); TP_SOAK_PEER_TIMEOUT_S shortens
