@@ -8,9 +8,12 @@ slots (a program's lanes move together), and searches every interleaving.
 
 asks whether rank 0 can end waiting for call 38 with its slot of that call's parity holding 36 and
 its other slot 39, while rank 1 waits for 38 with 37 and 38 (docs/PARALLEL.md, "Push all-reduce",
-Open), under each variant: in step; a count skipped or repeated once; a rank's count jumping to any
+Open; about 90 s), under each variant: in step; a count skipped or repeated once; a rank's count jumping to any
 value once (one rank or both); up to four calls of a rank in flight at once. Prints each variant
-and whether the stall is reachable; exits 0 if none reaches it."""
+and whether the stall is reachable; exits 0 if none reaches it. Then (`fits`) it lets one rank's
+two calls up to the stall do anything a kernel could get wrong: push any tag into either slot or
+nowhere, and wait for any tag in either slot, and prints the alterations that reach the stall,
+fewest changes first: what to look for in the counters and slots of the next stall."""
 
 from __future__ import annotations
 
@@ -91,6 +94,58 @@ def variants(calls: int, around: range) -> Iterator[tuple[str, list[list[Call]],
         yield f"up to {depth} calls of a rank in flight", [normal, normal], depth
 
 
+Altered = tuple[int, "int | None", int, int]
+"""One call as a kernel might make it: (tag pushed, slot pushed to or None: lost, tag waited for,
+slot polled)."""
+
+
+def stall_in_step(sequences: Sequence[Sequence[Altered]]) -> tuple[End | None, ...]:
+    """Where two ranks making `sequences` one call at a time end (with one call in flight, every
+    interleaving ends the same way: a rank writes its slots in the peer in its own call order)."""
+    slots, done, pushed = [[0, 0], [0, 0]], [0, 0], [False, False]
+    moved = True
+    while moved:
+        moved = False
+        for rank in (0, 1):
+            if done[rank] >= len(sequences[rank]):
+                continue
+            tag, slot, wanted, polled = sequences[rank][done[rank]]
+            if not pushed[rank]:
+                if slot is not None:
+                    slots[1 - rank][slot] = tag
+                pushed[rank] = moved = True
+            if slots[rank][polled] == wanted:
+                done[rank] += 1
+                pushed[rank], moved = False, True
+    ends = []
+    for rank in (0, 1):
+        if done[rank] >= len(sequences[rank]):
+            ends.append(None)
+            continue
+        _, _, wanted, polled = sequences[rank][done[rank]]
+        ends.append((wanted, slots[rank][polled], slots[rank][1 - polled]))
+    return tuple(ends)
+
+
+def fits(calls: int, stall: tuple[End, End], tags: range) -> list[tuple[int, int, Altered, Altered]]:
+    """(changes, rank, the call before the stalled one, the stalled one) for every alteration of one
+    rank's two calls up to the stall (`Altered`, tags from `tags`) that ends in `stall`, the other
+    rank and every other call as the protocol makes them; fewest changed fields first."""
+    waited = stall[0][0]
+    normal = [(k, k % 2, k, k % 2) for k in range(1, calls + 1)]
+    options = [(tag, slot, wanted, polled) for tag in tags for slot in (0, 1, None) for wanted in tags
+               for polled in (0, 1)]
+    found = []
+    for rank in (0, 1):
+        for before, at in itertools.product(options, repeat=2):
+            altered = list(normal)
+            altered[waited - 2], altered[waited - 1] = before, at
+            if stall_in_step([altered, normal] if rank == 0 else [normal, altered]) == stall:
+                changes = sum(a != b for a, b in zip(before + at, normal[waited - 2] + normal[waited - 1]))
+                found.append((changes, rank, before, at))
+    return sorted(found, key=lambda fit: (fit[0], fit[1], str(fit[2:])))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=45, help="calls each rank makes")
@@ -106,7 +161,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             reached.append(name)
             print(f"reachable: {name}")
     print(f"the stall {args.stall[0]} / {args.stall[1]} is reachable in {len(reached)} variant(s)")
+    waited = stall[0][0]
+    found = fits(args.calls, stall, range(max(1, waited - 3), waited + 3))
+    print(f"{len(found)} alteration(s) of one rank's calls {waited - 1} and {waited} reach it "
+          "((tag pushed, slot pushed to or None: lost, tag waited for, slot polled) of each):")
+    for changes, rank, before, at in found[:10]:
+        print(f"  {changes} field(s) changed: rank {rank}, call {waited - 1} {before}, call {waited} {at}")
     return 1 if reached else 0
+
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """scripts/push_protocol_model.py: the protocol in step ends with every call done; a skipped count
 or calls in flight can stall it, and the model finds those stalls; a stall with a tag in the slot of
-the other parity is reachable in no variant."""
+the other parity is reachable in no variant; and `fits` finds the alteration of a rank's calls that
+made a stall, fewest changes first."""
 
 from __future__ import annotations
 
@@ -35,3 +36,16 @@ def test_a_tag_in_the_other_paritys_slot_is_reachable_in_no_variant(capsys):
     # the shape of the recorded stall: rank 1 waits for call 6 and its slot of 6's parity holds 5
     assert model.main(["--calls", "12", "--stall", "6,4,7", "6,5,6", "--around", "1", "12"]) == 0
     assert "reachable in 0 variant(s)" in capsys.readouterr().out
+
+
+def test_fits_finds_the_alteration_that_made_a_stall_fewest_changes_first():
+    normal = [(k, k % 2, k, k % 2) for k in range(1, 13)]
+    skipped = list(normal)
+    skipped[5] = (7, 1, 7, 1)          # rank 1's sixth call counted 7: pushes and waits for call 7
+    stall = model.stall_in_step([normal, skipped])
+    assert stall == ((6, 4, 7), (7, 5, 6))
+    found = model.fits(12, stall, range(3, 9))
+    assert (4, 1, normal[4], (7, 1, 7, 1)) in found
+    assert [fit[0] for fit in found] == sorted(fit[0] for fit in found)
+    assert all(model.stall_in_step([normal, [*normal[:4], fit[2], fit[3], *normal[6:]]] if fit[1] == 1 else
+                                   [[*normal[:4], fit[2], fit[3], *normal[6:]], normal]) == stall for fit in found)
