@@ -43,7 +43,9 @@ _file = None
 _seq = 0
 _start = time.monotonic()
 _pushes: list = []
-_sync = {"since": None, "snapped": False}
+_sync = {"since": None, "snapped": None}
+"""When the main thread's current torch.cuda.synchronize began (None: not in one), and the start of
+the last one snapshotted."""
 
 
 def log(*parts) -> None:
@@ -189,13 +191,14 @@ class _nothing:
 
 
 def _watch() -> None:
-    """Every second: log new timeout-record lines; once, snapshot when a synchronize has lasted STALL_S."""
+    """Every second: log new timeout-record lines; snapshot once in each synchronize that has lasted
+    STALL_S."""
     seen = set()
     while True:
         time.sleep(1.0)
         since = _sync["since"]
-        if since is not None and not _sync["snapped"] and time.monotonic() - since > STALL_S:
-            _sync["snapped"] = True
+        if since is not None and _sync["snapped"] != since and time.monotonic() - since > STALL_S:
+            _sync["snapped"] = since   # once per stalled synchronize
             log("STALL: in torch.cuda.synchronize for", round(time.monotonic() - since, 1), "s")
             for push in [p for p in _pushes if p.trace_snapshot is not None]:
                 try:
