@@ -21,10 +21,12 @@ import argparse
 import itertools
 from typing import Iterator, Sequence
 
-Call = tuple[int, int]
-"""(tag, parity) a rank's call uses."""
+Call = tuple[int, "int | None", int, int]
+"""One call of a rank: (tag pushed, slot pushed to or None: lost, tag waited for, slot polled). As
+the protocol makes call k: (k, k % 2, k, k % 2)."""
 End = tuple[int, int, int]
-"""A stalled rank: (the tag it waits for, the tag in its slot of that call's parity, in the other)."""
+"""A stalled rank: (the tag it waits for, the tag in the slot it polls (its call's parity, as the
+protocol makes it), in the other slot)."""
 
 
 def counted(calls: int, jump_at: int | None = None, to: int = 0) -> list[Call]:
@@ -33,16 +35,18 @@ def counted(calls: int, jump_at: int | None = None, to: int = 0) -> list[Call]:
     out = []
     for k in range(1, calls + 1):
         count = k if jump_at is None or k < jump_at else to + (k - jump_at)
-        out.append((count, count % 2))
+        out.append((count, count % 2, count, count % 2))
     return out
 
 
-def end_states(sequences: Sequence[Sequence[Call]], in_flight: int = 1) -> set[tuple[End | None, ...]]:
+def end_states(sequences: Sequence[Sequence[Call]], in_flight: int = 1,
+               slots: tuple[tuple[int, int], tuple[int, int]] = ((0, 0), (0, 0))) -> set[tuple[End | None, ...]]:
     """Every state where neither rank can move, over all interleavings. A rank may push up to
     `in_flight` calls beyond the oldest it has not finished (1: a call pushes only after the one
     before it ended), and finishes its calls in order when its slot holds the call's tag. A rank
-    that finished every call ends as None."""
-    start = ((0, 0), (0, 0), ((0, 0), (0, 0)))
+    that finished every call ends as None. `slots`: each rank's two slots before the first call
+    (zeroed buffers, or where earlier calls left them)."""
+    start = ((0, 0), (0, 0), slots)
     seen, stack, ends = set(), [start], set()
     while stack:
         state = stack.pop()
@@ -55,22 +59,21 @@ def end_states(sequences: Sequence[Sequence[Call]], in_flight: int = 1) -> set[t
             pushed, done = progress[rank]
             calls = sequences[rank]
             if pushed < len(calls) and pushed - done < in_flight:
-                tag, parity = calls[pushed]
+                tag, slot, _, _ = calls[pushed]
                 peer = [list(s) for s in slots]
-                peer[1 - rank][parity] = tag
+                if slot is not None:
+                    peer[1 - rank][slot] = tag
                 nxt = list(progress)
                 nxt[rank] = (pushed + 1, done)
                 moves.append((nxt[0], nxt[1], (tuple(peer[0]), tuple(peer[1]))))
             if done < pushed:
-                tag, parity = calls[done]
-                if slots[rank][parity] == tag:
+                _, _, wanted, polled = calls[done]
+                if slots[rank][polled] == wanted:
                     nxt = list(progress)
                     nxt[rank] = (pushed, done + 1)
                     moves.append((nxt[0], nxt[1], slots))
         if not moves:
-            ends.add(tuple(None if progress[r][1] >= len(sequences[r]) else
-                           (sequences[r][progress[r][1]][0], slots[r][sequences[r][progress[r][1]][1]],
-                            slots[r][1 - sequences[r][progress[r][1]][1]]) for r in (0, 1)))
+            ends.add(_ends(sequences, [done for _, done in progress], slots))
         stack.extend(moves)
     return ends
 
@@ -94,29 +97,9 @@ def variants(calls: int, around: range) -> Iterator[tuple[str, list[list[Call]],
         yield f"up to {depth} calls of a rank in flight", [normal, normal], depth
 
 
-Altered = tuple[int, "int | None", int, int]
-"""One call as a kernel might make it: (tag pushed, slot pushed to or None: lost, tag waited for,
-slot polled)."""
-
-
-def stall_in_step(sequences: Sequence[Sequence[Altered]]) -> tuple[End | None, ...]:
-    """Where two ranks making `sequences` one call at a time end (with one call in flight, every
-    interleaving ends the same way: a rank writes its slots in the peer in its own call order)."""
-    slots, done, pushed = [[0, 0], [0, 0]], [0, 0], [False, False]
-    moved = True
-    while moved:
-        moved = False
-        for rank in (0, 1):
-            if done[rank] >= len(sequences[rank]):
-                continue
-            tag, slot, wanted, polled = sequences[rank][done[rank]]
-            if not pushed[rank]:
-                if slot is not None:
-                    slots[1 - rank][slot] = tag
-                pushed[rank] = moved = True
-            if slots[rank][polled] == wanted:
-                done[rank] += 1
-                pushed[rank], moved = False, True
+def _ends(sequences: Sequence[Sequence[Call]], done: Sequence[int], slots) -> tuple[End | None, ...]:
+    """Each rank's end: None when it made every call, else (the tag its next call waits for, the
+    tag in the slot it polls, in the other slot)."""
     ends = []
     for rank in (0, 1):
         if done[rank] >= len(sequences[rank]):
@@ -127,21 +110,25 @@ def stall_in_step(sequences: Sequence[Sequence[Altered]]) -> tuple[End | None, .
     return tuple(ends)
 
 
-def fits(calls: int, stall: tuple[End, End], tags: range) -> list[tuple[int, int, Altered, Altered]]:
+def fits(stall: tuple[End, End], tags: range) -> list[tuple[int, int, Call, Call]]:
     """(changes, rank, the call before the stalled one, the stalled one) for every alteration of one
-    rank's two calls up to the stall (`Altered`, tags from `tags`) that ends in `stall`, the other
-    rank and every other call as the protocol makes them; fewest changed fields first."""
+    rank's two calls up to the stall (any `Call`, tags from `tags`) that ends in `stall` in some
+    interleaving, the other rank and every other call as the protocol makes them; fewest changed
+    fields first. Searched from where both ranks ended call `waited` - 4, through call `waited`:
+    the calls before were the protocol's (its two slots keep them apart), and a rank stalled at
+    `waited` pushes nothing later."""
     waited = stall[0][0]
-    normal = [(k, k % 2, k, k % 2) for k in range(1, calls + 1)]
+    window = [(k, k % 2, k, k % 2) for k in range(waited - 3, waited + 1)]
+    last = waited - 4    # both ranks' slots hold it and the call before, each in its parity's slot
+    slots = (last, last - 1) if last % 2 == 0 else (last - 1, last)
     options = [(tag, slot, wanted, polled) for tag in tags for slot in (0, 1, None) for wanted in tags
                for polled in (0, 1)]
     found = []
     for rank in (0, 1):
         for before, at in itertools.product(options, repeat=2):
-            altered = list(normal)
-            altered[waited - 2], altered[waited - 1] = before, at
-            if stall_in_step([altered, normal] if rank == 0 else [normal, altered]) == stall:
-                changes = sum(a != b for a, b in zip(before + at, normal[waited - 2] + normal[waited - 1]))
+            altered = [*window[:2], before, at]
+            if stall in end_states([altered, window] if rank == 0 else [window, altered], slots=(slots, slots)):
+                changes = sum(a != b for a, b in zip(before + at, window[2] + window[3]))
                 found.append((changes, rank, before, at))
     return sorted(found, key=lambda fit: (fit[0], fit[1], str(fit[2:])))
 
@@ -162,13 +149,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"reachable: {name}")
     print(f"the stall {args.stall[0]} / {args.stall[1]} is reachable in {len(reached)} variant(s)")
     waited = stall[0][0]
-    found = fits(args.calls, stall, range(max(1, waited - 3), waited + 3))
+    found = fits(stall, range(max(1, waited - 3), waited + 3))
     print(f"{len(found)} alteration(s) of one rank's calls {waited - 1} and {waited} reach it "
           "((tag pushed, slot pushed to or None: lost, tag waited for, slot polled) of each):")
     for changes, rank, before, at in found[:10]:
         print(f"  {changes} field(s) changed: rank {rank}, call {waited - 1} {before}, call {waited} {at}")
     return 1 if reached else 0
-
 
 
 if __name__ == "__main__":
