@@ -40,7 +40,7 @@ ORDER=${TP_SOAK_ORDER:-alternate}
 TRACE=${TP_SOAK_TRACE:-1}
 [[ $ORDER == alternate || $ORDER == cold-push ]] || { echo "TP_SOAK_ORDER: alternate or cold-push, not '$ORDER'" >&2; exit 2; }
 mkdir -p "$DIR"
-DIR=$(cd "$DIR" && pwd)   # the traces are written from the runs' own folders
+DIR=$(cd "$DIR" && pwd)   # absolute: the runs' processes write their traces there from anywhere
 SPY=$(command -v py-spy || true)
 [[ -n $SPY ]] || echo "py-spy not found: a stalled run is killed without its stacks"
 

@@ -139,8 +139,10 @@ def destroy_groups(groups: DistributedGroups | None, abort: bool = False) -> Non
         for group in targets:
             _destroy(group, False)
         return
-    aborting = threading.Thread(target=lambda: [_destroy(group, True) for group in targets],
-                                name="graphrunner-nccl-abort", daemon=True)
+    def abort_all() -> None:
+        for group in targets:
+            _destroy(group, True)
+    aborting = threading.Thread(target=abort_all, name="graphrunner-nccl-abort", daemon=True)
     aborting.start()
     aborting.join(ABORT_WAIT_S)
     if aborting.is_alive():
@@ -156,8 +158,8 @@ def _destroy(group, abort: bool) -> None:
             aborter(group)
         else:
             dist.destroy_process_group(group)
-    except Exception:  # noqa: BLE001 - tearing down, possibly after a failure: best effort
-        pass
+    except Exception as error:  # noqa: BLE001 - tearing down, possibly after a failure: best effort
+        logger.debug("%s process group %s failed: %s", "aborting" if abort else "destroying", group, error)
 
 
 # ---- messages ------------------------------------------------------------------------------

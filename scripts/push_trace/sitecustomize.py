@@ -18,13 +18,14 @@ every Python process writes PREFIX-PID.txt, one line per event, flushed as it ha
   kernels.
 Comparing the ranks' files shows whether their calls diverged on the host (the sequences differ)
 or on the GPU (same sequences, different counts or tags). PUSH_TRACE_TIMEOUT_S shortens the push
-kernels' peer timeout (not below what a caller passes), so a stall ends in seconds.
+kernels' peer timeout (a caller's shorter one stays), so a stall ends in seconds.
 
 Python runs sitecustomize at start-up; the modules are patched as they are imported (a meta-path
 finder wraps their loaders), so a name another module imports from them is the traced one."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.abc
 import importlib.machinery
@@ -165,7 +166,7 @@ def snapshot(push) -> None:
     import torch
     taken = push.trace_snapshot
     stream = taken["stream"]
-    with torch.cuda.stream(stream) if stream is not None else _nothing():
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         taken["counters"].copy_(push.counters, non_blocking=True)
         taken["tickets"].copy_(push.tickets, non_blocking=True)
         for buffer, host in zip(push.buffers, taken["buffers"]):
@@ -180,14 +181,6 @@ def snapshot(push) -> None:
         for line in slot_tags(words, push.world, push.max_bytes, sources):
             log("SNAPSHOT rank", push.rank, "own buffer" if mine else f"rank {rank}'s buffer", line)
     log_blocks(push, "SNAPSHOT")
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _watch() -> None:
