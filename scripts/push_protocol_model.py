@@ -8,7 +8,7 @@ slots (a program's lanes move together), and searches every interleaving.
 
 asks whether rank 0 can end waiting for call 38 with its slot of that call's parity holding 36 and
 its other slot 39, while rank 1 waits for 38 with 37 and 38 (docs/PARALLEL.md, "Push all-reduce",
-Open; about 90 s), under each variant: in step; a count skipped or repeated once; a rank's count
+Open; about 45 s), under each variant: in step; a count skipped or repeated once; a rank's count
 jumping to any value once (one rank or both); up to four calls of a rank in flight at once. Prints each variant
 and whether the stall is reachable; exits 0 if none reaches it. Then (`fits`) it lets one rank's
 two calls up to the stall do anything a kernel could get wrong: push any tag into either slot or
