@@ -14,6 +14,11 @@
 # - cold-push: every run cold, the push tests only (the NCCL parity tests deselected), the page
 #   cache dropped first where this user may (as after a machine's start): the runs that stalled
 #   most often (two in 27, against three in about 85 alternating runs).
+# TP_SOAK_PAIRS=N runs N soaks side by side, one on each pair of GPUs (the first two of
+# CUDA_VISIBLE_DEVICES, or of 0..2N-1, then the next two, ...), each into DIR/pairP with its lines
+# prefixed "pair P (GPUs a,b)": a 4-GPU machine soaks twice as many runs in the same time.
+# pytest's PYTEST_ADDOPTS narrows the runs further, e.g. `--deselect
+# 'tests/test_tensor_parallel.py::test_multigpu_tp2_matches_tp1_in_graph_modes[push-FULL_AND_PIECEWISE]'`.
 # TP_SOAK_TRACE=1 (the default) traces every process of a run (scripts/push_trace/sitecustomize.py:
 # DIR/runK-trace-PID.txt, each push call, collective, graph and start-up phase, and a snapshot of
 # the push kernels' counters and slots when a synchronize stalls); TP_SOAK_PEER_TIMEOUT_S shortens
@@ -31,7 +36,8 @@
 # an outer time limit that cuts the soak short would otherwise lose every run's line).
 # Exits 1 if a run failed or was killed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")   # the pairs' soaks run it again from the root
+cd "$(dirname "$SELF")/.."
 DIR=${1:?usage: bash scripts/tp_soak.sh DIR [RUNS]}
 RUNS=${2:-5}
 STALL_S=${STALL_S:-60}
@@ -41,6 +47,22 @@ TRACE=${TP_SOAK_TRACE:-1}
 [[ $ORDER == alternate || $ORDER == cold-push ]] || { echo "TP_SOAK_ORDER: alternate or cold-push, not '$ORDER'" >&2; exit 2; }
 mkdir -p "$DIR"
 DIR=$(cd "$DIR" && pwd)   # absolute: the runs' processes write their traces there from anywhere
+PAIRS=${TP_SOAK_PAIRS:-1}
+if ((PAIRS > 1)); then   # one soak per GPU pair, side by side; fails if any failed
+  if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then IFS=, read -ra gpus <<< "$CUDA_VISIBLE_DEVICES"
+  else gpus=($(seq 0 $((2 * PAIRS - 1)))); fi
+  ((${#gpus[@]} >= 2 * PAIRS)) || { echo "TP_SOAK_PAIRS=$PAIRS needs $((2 * PAIRS)) GPUs, not ${gpus[*]}" >&2; exit 2; }
+  pids=()
+  for ((pair = 0; pair < PAIRS; pair++)); do
+    devices=${gpus[2 * pair]},${gpus[2 * pair + 1]}
+    (TP_SOAK_PAIRS=1 CUDA_VISIBLE_DEVICES=$devices bash "$SELF" "$DIR/pair$pair" "$RUNS" \
+      | sed -u "s/^/pair $pair (GPUs $devices): /") &   # the pipeline's status (pipefail): the soak's
+    pids+=($!)
+  done
+  failed=0
+  for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+  exit $failed
+fi
 SPY=$(command -v py-spy || true)
 [[ -n $SPY ]] || echo "py-spy not found: a stalled run is killed without its stacks"
 

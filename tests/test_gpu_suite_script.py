@@ -2,8 +2,8 @@
 refused before anything runs, and a stage that runs without a GPU (the address check) writes its
 raw output under --out and ends with the table of steps. scripts/tp_soak.sh (the tp-soak stage)
 keeps every run's log and trace, reports each run (also into a summary file as it goes), runs
-every run cold with the push tests only when asked, and kills a run past its time limit after
-dumping what it can of it."""
+every run cold with the push tests only when asked, soaks several GPU pairs side by side when
+asked, and kills a run past its time limit after dumping what it can of it."""
 
 from __future__ import annotations
 
@@ -69,20 +69,30 @@ def test_soak_keeps_each_runs_log_and_reports_it(tmp_path):
                         f"{parity}[nccl-FULL]", f"{parity}[nccl-FULL_AND_PIECEWISE]"]
 
 
-def test_soak_cold_push_runs_every_run_cold_with_the_push_tests_only(tmp_path):
+def test_soak_cold_push_runs_every_run_cold_with_the_push_tests_only_on_each_gpu_pair(tmp_path):
+    """TP_SOAK_ORDER=cold-push with TP_SOAK_PAIRS=2: one soak per pair of the visible GPUs, each into
+    its own folder, its lines prefixed with the pair and its GPUs, every run cold with the push tests
+    only; a wrong order, or more pairs than the GPUs allow, is refused."""
     done = subprocess.run(["bash", str(SOAK), str(tmp_path), "2"], capture_output=True, text=True, timeout=300,
-                          env=dict(ENV, TP_SOAK_ORDER="cold-push"))
+                          env=dict(ENV, TP_SOAK_ORDER="cold-push", TP_SOAK_PAIRS="2", CUDA_VISIBLE_DEVICES="4,5,6,7"))
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    lines = [line for line in done.stdout.splitlines() if line.startswith("run ")]
-    assert [re.sub(r", page cache dropped", "", line.split(":")[0]) for line in lines] == [
-        "run 1 (empty caches, push only)", "run 2 (empty caches, push only)"]
-    log = (tmp_path / "run2.log").read_text()
-    assert "test_multigpu_tp2_matches_tp1_in_graph_modes[push-FULL] SKIPPED" in log and "nccl-FULL" not in log
-    # every process of a run traced (the pytest process at least: it imports the traced modules)
-    assert list(tmp_path.glob("run1-trace-*.txt")) and list(tmp_path.glob("run2-trace-*.txt"))
+    for pair, gpus in ((0, "4,5"), (1, "6,7")):
+        prefix = f"pair {pair} (GPUs {gpus}): "
+        lines = [line.removeprefix(prefix) for line in done.stdout.splitlines() if line.startswith(prefix + "run ")]
+        assert [re.sub(r", page cache dropped", "", line.split(":")[0]) for line in lines] == [
+            "run 1 (empty caches, push only)", "run 2 (empty caches, push only)"]
+        folder = tmp_path / f"pair{pair}"
+        assert (folder / "summary.txt").read_text().splitlines() == lines
+        log = (folder / "run2.log").read_text()
+        assert "test_multigpu_tp2_matches_tp1_in_graph_modes[push-FULL] SKIPPED" in log and "nccl-FULL" not in log
+        # every process of a run traced (the pytest process at least: it imports the traced modules)
+        assert list(folder.glob("run1-trace-*.txt")) and list(folder.glob("run2-trace-*.txt"))
     refused = subprocess.run(["bash", str(SOAK), str(tmp_path / "x"), "1"], capture_output=True, text=True,
                              timeout=60, env=dict(ENV, TP_SOAK_ORDER="random"))
     assert refused.returncode == 2 and "TP_SOAK_ORDER: alternate or cold-push, not 'random'" in refused.stderr
+    refused = subprocess.run(["bash", str(SOAK), str(tmp_path / "x"), "1"], capture_output=True, text=True,
+                             timeout=60, env=dict(ENV, TP_SOAK_PAIRS="3", CUDA_VISIBLE_DEVICES="0,1"))
+    assert refused.returncode == 2 and "TP_SOAK_PAIRS=3 needs 6 GPUs, not 0 1" in refused.stderr
 
 
 def test_soak_kills_a_run_past_its_limit_and_stops(tmp_path):
