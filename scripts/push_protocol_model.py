@@ -8,12 +8,19 @@ slots (a program's lanes move together), and searches every interleaving.
 
 asks whether rank 0 can end waiting for call 38 with its slot of that call's parity holding 36 and
 its other slot 39, while rank 1 waits for 38 with 37 and 38 (docs/PARALLEL.md, "Push all-reduce",
-Open; about 45 s), under each variant: in step; a count skipped or repeated once; a rank's count
-jumping to any value once (one rank or both); up to four calls of a rank in flight at once. Prints each variant
-and whether the stall is reachable; exits 0 if none reaches it. Then (`fits`) it lets one rank's
-two calls up to the stall do anything a kernel could get wrong: push any tag into either slot or
-nowhere, and wait for any tag in either slot, and prints the alterations that reach the stall,
-fewest changes first: what to look for in the counters and slots of the next stall."""
+Open; about 55 s), under each variant: in step; a count skipped or repeated once; a rank's count
+jumping to any value once (one rank or both); a counter's upper half altered (the count plus
+m x 2^32 from some call on, one rank or both: the tag wraps modulo 2^32 - 1 while the slot follows
+the count's parity, so tags land in the other parity's slot); up to four calls of a rank in flight
+at once. Prints each variant and whether the stall is reachable; exits 0 if none reaches it.
+Then (`overlapping_records`) it lets a rank's kernels overlap, as they would if the PDL chain
+between them broke: a kernel may start once the one before it has started, and its read and
+write of the call counter are separate steps, so two kernels may read the same count; a stalled
+rank's timeout record may mix the fields of its stalled kernels (each writes its row field by
+field). Then (`fits`) it lets one rank's two calls up to the stall do anything a kernel could get
+wrong: push any tag into either slot or nowhere, and wait for any tag in either slot, and prints
+the alterations that reach the stall, fewest changes first: what to look for in the counters and
+slots of the next stall."""
 
 from __future__ import annotations
 
@@ -29,13 +36,19 @@ End = tuple[int, int, int]
 protocol makes it), in the other slot)."""
 
 
+def tag_of(count: int) -> int:
+    """The tag of a call's words: models/push_all_reduce.tag_of_call's, 32 bits that are never 0
+    (the count itself below 2^32 - 1)."""
+    return (count - 1) % 0xFFFFFFFF + 1
+
+
 def counted(calls: int, jump_at: int | None = None, to: int = 0) -> list[Call]:
     """A rank's calls 1..`calls`: tag and parity from the count (`tag_of_call`); from call `jump_at`
     on, the count continues from `to` (its counter altered once)."""
     out = []
     for k in range(1, calls + 1):
         count = k if jump_at is None or k < jump_at else to + (k - jump_at)
-        out.append((count, count % 2, count, count % 2))
+        out.append((tag_of(count), count % 2, tag_of(count), count % 2))
     return out
 
 
@@ -93,6 +106,10 @@ def variants(calls: int, around: range) -> Iterator[tuple[str, list[list[Call]],
             continue
         seq = [counted(calls, *j) if j is not None else normal for j in (jump0, jump1)]
         yield f"counts jumping once: rank 0 {jump0}, rank 1 {jump1}", seq, 1
+    for at, high, ranks in itertools.product(around, (1, 2), ((0,), (1,), (0, 1))):
+        altered = counted(calls, at, at + (high << 32))
+        seq = [altered if rank in ranks else normal for rank in (0, 1)]
+        yield f"counter's upper half plus {high} from call {at} on rank(s) {ranks}", seq, 1
     for depth in (2, 3, 4):
         yield f"up to {depth} calls of a rank in flight", [normal, normal], depth
 
@@ -108,6 +125,60 @@ def _ends(sequences: Sequence[Sequence[Call]], done: Sequence[int], slots) -> tu
         _, _, wanted, polled = sequences[rank][done[rank]]
         ends.append((wanted, slots[rank][polled], slots[rank][1 - polled]))
     return tuple(ends)
+
+
+def overlapping_records(first: int, kernels: int) -> set[tuple[frozenset, frozenset]]:
+    """Every stalled end of `kernels` kernels per rank, calls `first`.. on, when a rank's kernel may
+    start once the one before it has started (not ended): each kernel reads the call counter, writes
+    it back plus one, pushes its words (tag and slot from the count it read) and polls, as separate
+    steps, so two kernels may read the same count. Both ranks start with their counters at
+    `first` - 1 and their slots holding calls `first` - 1 and `first` - 2, as in step. Returns, per
+    end with a rank stalled, each rank's possible timeout records (End): one field from each of
+    its stalled kernels, in any combination (each kernel writes the row of its program field by
+    field, so two that time out together mix)."""
+    last = first - 1
+    slots = (last, last - 1) if last % 2 == 0 else (last - 1, last)
+    idle = (0,) * kernels   # per kernel: 0 not started, 1 read the counter, 2 wrote it, 3 pushed, 4 done
+    start = ((last, idle, idle), (last, idle, idle), (slots, slots))
+    seen, stack, ends = set(), [start], set()
+    while stack:
+        state = stack.pop()
+        if state in seen:
+            continue
+        seen.add(state)
+        moves = []
+        for rank in (0, 1):
+            counter, phases, read = state[rank]
+            for k, phase in enumerate(phases):
+                if phase == 4 or (phase == 0 and k > 0 and phases[k - 1] == 0):
+                    continue
+                count = read[k] + 1
+                if phase == 3 and state[2][rank][count % 2] != tag_of(count):
+                    continue   # polling: its peer's words are not there
+                new_phases = phases[:k] + (phase + 1,) + phases[k + 1:]
+                new_read, new_counter, new_slots = read, counter, state[2]
+                if phase == 0:
+                    new_read = read[:k] + (counter,) + read[k + 1:]
+                elif phase == 1:
+                    new_counter = count
+                elif phase == 2:
+                    peer = list(state[2][1 - rank])
+                    peer[count % 2] = tag_of(count)
+                    new_slots = (state[2][0], tuple(peer)) if rank == 0 else (tuple(peer), state[2][1])
+                ranks = [state[0], state[1]]
+                ranks[rank] = (new_counter, new_phases, new_read)
+                moves.append((ranks[0], ranks[1], new_slots))
+        if not moves:
+            records = []
+            for rank in (0, 1):
+                _, phases, read = state[rank]
+                stalled = [(tag_of(read[k] + 1), state[2][rank][(read[k] + 1) % 2], state[2][rank][read[k] % 2])
+                           for k, phase in enumerate(phases) if phase == 3]
+                records.append(frozenset((a[0], b[1], c[2]) for a in stalled for b in stalled for c in stalled))
+            if any(records):
+                ends.add(tuple(records))
+        stack.extend(moves)
+    return ends
 
 
 def fits(stall: tuple[End, End], tags: range) -> list[tuple[int, int, Call, Call]]:
@@ -140,6 +211,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="each rank's end: the tag it waits for, the tags in its two slots")
     parser.add_argument("--around", type=int, nargs=2, default=(30, 45), metavar=("FIRST", "LAST"),
                         help="the calls where a count may go wrong (default 30 45)")
+    parser.add_argument("--kernels", type=int, default=3,
+                        help="each rank's overlapping kernels, from the call before the stalled one (default 3; "
+                             "4 takes about 75 s more)")
     args = parser.parse_args(argv)
     stall = tuple(tuple(int(x) for x in end.split(",")) for end in args.stall)
     reached = []
@@ -149,6 +223,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"reachable: {name}")
     print(f"the stall {args.stall[0]} / {args.stall[1]} is reachable in {len(reached)} variant(s)")
     waited = stall[0][0]
+    overlapping = any(stall[0] in records[0] and stall[1] in records[1]
+                      for records in overlapping_records(waited - 1, args.kernels))
+    print(f"with a rank's kernels overlapping (calls {waited - 1}..{waited + args.kernels - 2}): "
+          f"{'reachable' if overlapping else 'not reachable'}")
+    if overlapping:
+        reached.append("kernels overlapping")
     found = fits(stall, range(max(1, waited - 3), waited + 3))
     print(f"{len(found)} alteration(s) of one rank's calls {waited - 1} and {waited} reach it "
           "((tag pushed, slot pushed to or None: lost, tag waited for, slot polled) of each):")

@@ -1,7 +1,8 @@
-"""scripts/push_protocol_model.py: the protocol in step ends with every call done; a skipped count
-or calls in flight can stall it, and the model finds those stalls; a stall with a tag in the slot of
-the other parity is reachable in no variant; and `fits` finds the alteration of a rank's calls that
-made a stall, fewest changes first."""
+"""scripts/push_protocol_model.py: the protocol in step ends with every call done; a skipped count,
+calls in flight, a counter's upper half altered or kernels of a rank overlapping can stall it, and
+the model finds those stalls; a stall with a tag in the slot of the other parity is reachable in no
+variant; and `fits` finds the alteration of a rank's calls that made a stall, fewest changes
+first."""
 
 from __future__ import annotations
 
@@ -27,6 +28,19 @@ def test_two_calls_in_flight_break_the_two_slots():
     assert ((2, 4, 5), (4, 2, 3)) in ends   # a rank's next push overwrote the slot its peer still waited on
 
 
+def test_a_counters_upper_half_altered_puts_tags_in_the_other_paritys_slot():
+    # count 3 + 2^32: tag 4 (the tag wraps modulo 2^32 - 1) in the slot of 3's parity
+    assert model.counted(6, 3, 3 + (1 << 32))[2] == (4, 1, 4, 1)
+    # rank 1 from call 5 on: rank 0 waits for 5 with 6 in that slot, rank 1 for 6 with 5 there
+    assert model.end_states([model.counted(12), model.counted(12, 5, 5 + (1 << 32))]) == {((5, 6, 4), (6, 5, 4))}
+
+
+def test_overlapping_kernels_that_read_the_same_count_stall_the_peer():
+    # two kernels of a rank both read count 4: both make call 5, so the peer's call 6 never gets words
+    ends = model.overlapping_records(5, 2)
+    assert (frozenset(), frozenset({(6, 4, 5)})) in ends and (frozenset({(6, 4, 5)}), frozenset()) in ends
+
+
 def test_main_says_which_variant_reaches_a_stall(capsys):
     assert model.main(["--calls", "10", "--stall", "5,3,6", "6,4,5", "--around", "1", "10"]) == 1
     assert "reachable: rank 1's count skipped at call 5" in capsys.readouterr().out
@@ -35,7 +49,8 @@ def test_main_says_which_variant_reaches_a_stall(capsys):
 def test_a_tag_in_the_other_paritys_slot_is_reachable_in_no_variant(capsys):
     # the shape of the recorded stall: rank 1 waits for call 6 and its slot of 6's parity holds 5
     assert model.main(["--calls", "12", "--stall", "6,4,7", "6,5,6", "--around", "1", "12"]) == 0
-    assert "reachable in 0 variant(s)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "reachable in 0 variant(s)" in out and "kernels overlapping (calls 5..7): not reachable" in out
 
 
 def test_fits_finds_the_alteration_that_made_a_stall_fewest_changes_first():
