@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 Call = tuple[int, "int | None", int, int]
 """One call of a rank: (tag pushed, slot pushed to or None: lost, tag waited for, slot polled). As
@@ -52,6 +52,28 @@ def counted(calls: int, jump_at: int | None = None, to: int = 0) -> list[Call]:
     return out
 
 
+def stuck_ends(start, moves_of: Callable[[Any], list], end_of: Callable[[Any], Any]) -> set:
+    """`end_of(state)` of every state reachable from `start` (over all interleavings: `moves_of`
+    gives a state's successors) from which no move is left."""
+    seen, stack, ends = set(), [start], set()
+    while stack:
+        state = stack.pop()
+        if state in seen:
+            continue
+        seen.add(state)
+        moves = moves_of(state)
+        if not moves:
+            ends.add(end_of(state))
+        stack.extend(moves)
+    return ends
+
+
+def in_step_slots(last: int) -> tuple[int, int]:
+    """A rank's two slots once both ranks ended call `last` in step: it and the call before, each in
+    its parity's slot."""
+    return (last, last - 1) if last % 2 == 0 else (last - 1, last)
+
+
 def end_states(sequences: Sequence[Sequence[Call]], in_flight: int = 1,
                slots: tuple[tuple[int, int], tuple[int, int]] = ((0, 0), (0, 0))) -> set[tuple[End | None, ...]]:
     """Every state where neither rank can move, over all interleavings. A rank may push up to
@@ -59,13 +81,7 @@ def end_states(sequences: Sequence[Sequence[Call]], in_flight: int = 1,
     before it ended), and finishes its calls in order when its slot holds the call's tag. A rank
     that finished every call ends as None. `slots`: each rank's two slots before the first call
     (zeroed buffers, or where earlier calls left them)."""
-    start = ((0, 0), (0, 0), slots)
-    seen, stack, ends = set(), [start], set()
-    while stack:
-        state = stack.pop()
-        if state in seen:
-            continue
-        seen.add(state)
+    def moves_of(state) -> list:
         progress, slots = [state[0], state[1]], state[2]
         moves = []
         for rank in (0, 1):
@@ -85,10 +101,10 @@ def end_states(sequences: Sequence[Sequence[Call]], in_flight: int = 1,
                     nxt = list(progress)
                     nxt[rank] = (pushed, done + 1)
                     moves.append((nxt[0], nxt[1], slots))
-        if not moves:
-            ends.add(_ends(sequences, [done for _, done in progress], slots))
-        stack.extend(moves)
-    return ends
+        return moves
+
+    return stuck_ends(((0, 0), (0, 0), slots), moves_of,
+                      lambda state: _ends(sequences, [state[0][1], state[1][1]], state[2]))
 
 
 def variants(calls: int, around: range) -> Iterator[tuple[str, list[list[Call]], int]]:
@@ -137,15 +153,10 @@ def overlapping_records(first: int, kernels: int) -> set[tuple[frozenset, frozen
     its stalled kernels, in any combination (each kernel writes the row of its program field by
     field, so two that time out together mix)."""
     last = first - 1
-    slots = (last, last - 1) if last % 2 == 0 else (last - 1, last)
     idle = (0,) * kernels   # per kernel: 0 not started, 1 read the counter, 2 wrote it, 3 pushed, 4 done
-    start = ((last, idle, idle), (last, idle, idle), (slots, slots))
-    seen, stack, ends = set(), [start], set()
-    while stack:
-        state = stack.pop()
-        if state in seen:
-            continue
-        seen.add(state)
+    slots = in_step_slots(last)
+
+    def moves_of(state) -> list:
         moves = []
         for rank in (0, 1):
             counter, phases, read = state[rank]
@@ -168,17 +179,19 @@ def overlapping_records(first: int, kernels: int) -> set[tuple[frozenset, frozen
                 ranks = [state[0], state[1]]
                 ranks[rank] = (new_counter, new_phases, new_read)
                 moves.append((ranks[0], ranks[1], new_slots))
-        if not moves:
-            records = []
-            for rank in (0, 1):
-                _, phases, read = state[rank]
-                stalled = [(tag_of(read[k] + 1), state[2][rank][(read[k] + 1) % 2], state[2][rank][read[k] % 2])
-                           for k, phase in enumerate(phases) if phase == 3]
-                records.append(frozenset((a[0], b[1], c[2]) for a in stalled for b in stalled for c in stalled))
-            if any(records):
-                ends.add(tuple(records))
-        stack.extend(moves)
-    return ends
+        return moves
+
+    def records_of(state) -> tuple[frozenset, frozenset]:
+        records = []
+        for rank in (0, 1):
+            _, phases, read = state[rank]
+            stalled = [(tag_of(read[k] + 1), state[2][rank][(read[k] + 1) % 2], state[2][rank][read[k] % 2])
+                       for k, phase in enumerate(phases) if phase == 3]
+            records.append(frozenset((a[0], b[1], c[2]) for a in stalled for b in stalled for c in stalled))
+        return records[0], records[1]
+
+    ends = stuck_ends(((last, idle, idle), (last, idle, idle), (slots, slots)), moves_of, records_of)
+    return {records for records in ends if any(records)}
 
 
 def fits(stall: tuple[End, End], tags: range) -> list[tuple[int, int, Call, Call]]:
@@ -190,8 +203,7 @@ def fits(stall: tuple[End, End], tags: range) -> list[tuple[int, int, Call, Call
     `waited` pushes nothing later."""
     waited = stall[0][0]
     window = [(k, k % 2, k, k % 2) for k in range(waited - 3, waited + 1)]
-    last = waited - 4    # both ranks' slots hold it and the call before, each in its parity's slot
-    slots = (last, last - 1) if last % 2 == 0 else (last - 1, last)
+    slots = in_step_slots(waited - 4)   # where both ranks' slots are when the window starts
     options = [(tag, slot, wanted, polled) for tag in tags for slot in (0, 1, None) for wanted in tags
                for polled in (0, 1)]
     found = []
