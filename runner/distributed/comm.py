@@ -135,14 +135,14 @@ def destroy_groups(groups: DistributedGroups | None, abort: bool = False) -> Non
     targets = [None] if groups.owns_default_group else [   # the default group takes every other with it
         group for group in (*groups.tp_groups, groups.object_group, groups.control_group)
         if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER]
+
+    def destroy_all() -> None:
+        for group in targets:
+            _destroy(group, abort)
     if not abort:
-        for group in targets:
-            _destroy(group, False)
+        destroy_all()
         return
-    def abort_all() -> None:
-        for group in targets:
-            _destroy(group, True)
-    aborting = threading.Thread(target=abort_all, name="graphrunner-nccl-abort", daemon=True)
+    aborting = threading.Thread(target=destroy_all, name="graphrunner-nccl-abort", daemon=True)
     aborting.start()
     aborting.join(ABORT_WAIT_S)
     if aborting.is_alive():
