@@ -175,8 +175,8 @@ for stage in "${STAGES[@]}"; do
       step profile-llama-1b 60 "${BENCH[@]}" profile_step --shape llama-3.2-1b --mode FULL --batch-size 1
       ;;
     pp)
-      step pp-tests 300 python3 -m pytest -q -p no:cacheprovider -m "cuda or multigpu" -rA tests/test_pipeline.py \
-        tests/test_tensor_parallel.py tests/test_push_all_reduce.py
+      step pp-tests 330 python3 -m pytest -q -p no:cacheprovider -m "cuda or multigpu" -rA tests/test_pipeline.py \
+        tests/test_tensor_parallel.py tests/test_push_all_reduce.py tests/test_push_trace.py
       step tp-decode 240 "${BENCH[@]}" decode --shapes llama-3-8b --modes FULL --batch-sizes 1 32 \
         --tensor-parallel-size 1 2 --no-hf --no-plot --out "$OUT_DIR/tp-decode"
       step all-reduce 120 "${BENCH[@]}" all_reduce --out "$OUT_DIR/all-reduce"

@@ -3,7 +3,8 @@ on a CPU: each rank of a TP=2 engine writes its start-up phases, steps and colle
 order as its peer; a push all-reduce's peer timeout is shortened to PUSH_TRACE_TIMEOUT_S (never
 lengthened); its timeout record is logged as soon as a row is written; and a synchronize that
 lasts PUSH_TRACE_STALL_S logs a snapshot of the counters, tickets and slot tags; the allocator
-blocks it reports are every block over the range asked."""
+blocks it reports are every block over the range asked. On two GPUs (`multigpu`): that snapshot
+of a push kernel stalled for real, taken while it spins."""
 
 from __future__ import annotations
 
@@ -139,3 +140,57 @@ def test_blocks_at_names_every_block_over_a_range():
     assert trace.blocks_at(segments, 0x5000, 0x5008) == [
         "block 0x4000+8192 active_allocated in large segment 0x4000+8192 (expandable)"]
     assert trace.blocks_at(segments, 0x3000, 0x3100) == []
+
+
+def _rank_stalled_by_its_peer(rank: int, port: int, failures) -> None:
+    """Rank 0 all-reduces while rank 1 never does, so rank 0's synchronize stalls behind a push kernel
+    that spins until the 20 s peer timeout: the trace's watcher must snapshot it meanwhile (rank 1
+    hosts the store and waits, so its mapping stays open). Neither tears its groups down: rank 0's
+    CUDA context is lost to the trap."""
+    import datetime
+    import torch
+    import torch.distributed as dist
+    from runner.distributed import comm
+    from runner.distributed.topology import Topology
+    comm.set_distributed_env()
+    torch.cuda.set_device(rank)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 1, timeout=datetime.timedelta(seconds=120))
+    groups = comm.init_groups("nccl", rank, Topology(tp_size=2, pp_size=1), 120.0, store)
+    reducer = comm.push_all_reduce(1 << 16, torch.device("cuda", rank), groups, peer_timeout_s=20.0)
+    if rank == 1:
+        store.wait(["rank 0 done"], datetime.timedelta(seconds=120))
+        os._exit(0)
+    try:
+        reducer.all_reduce_(torch.ones(1, 4096, dtype=torch.bfloat16, device="cuda"))
+        torch.cuda.synchronize()
+        failures.put("the all-reduce returned without the peer's words")
+    except RuntimeError:   # the trap, after the snapshot
+        pass
+    finally:
+        store.set("rank 0 done", "1")
+        os._exit(0)
+
+
+@pytest.mark.multigpu
+@pytest.mark.timeout(180)
+def test_multigpu_a_stalled_push_kernel_is_snapshotted_while_it_spins(tmp_path, monkeypatch):
+    """The snapshot copies the counters and both ranks' slots on a stream of its own while the
+    stalled kernel still runs: rank 0's 32 programs each counted call 1 (its 2048 lanes: programs 0
+    and 1), its words of call 1 are in its slots of rank 1's buffer (read over the mapping), and rank
+    1's slots in rank 0's buffer are still zeroed."""
+    from tests.test_push_all_reduce import _on_two_gpus
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TRACE), str(REPO), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PUSH_TRACE_PREFIX", str(tmp_path / "trace"))
+    monkeypatch.setenv("PUSH_TRACE_STALL_S", "3")
+    _on_two_gpus(_rank_stalled_by_its_peer)
+    traces = [p.read_text() for p in sorted(tmp_path.glob("trace-*.txt"))]
+    stalled = [t for t in traces if "STALL: in torch.cuda.synchronize" in t]
+    assert len(stalled) == 1, traces
+    events = [line.split(" ", 3)[3] for line in stalled[0].splitlines() if not line.startswith("#")]
+    assert f"SNAPSHOT rank 0 counters {[1] * 32}" in events
+    assert "SNAPSHOT rank 0 tickets [0, 0, 0, 0]" in events
+    for lanes, tag in (("0:1024", 1), ("1024:2048", 1), ("2048:4096", 0)):
+        assert f"SNAPSHOT rank 0 rank 1's buffer region 0 parity 1 from rank 0 lanes {lanes} tags {tag}..{tag}" in events
+        assert f"SNAPSHOT rank 0 rank 1's buffer region 0 parity 0 from rank 0 lanes {lanes} tags 0..0" in events
+        assert f"SNAPSHOT rank 0 own buffer region 0 parity 1 from rank 1 lanes {lanes} tags 0..0" in events
+    assert any(e.startswith("SNAPSHOT rank 0 own buffer") and "active_allocated" in e for e in events)
