@@ -12,7 +12,7 @@
 #   them, so that a failure of whichever TP engine meets the cold start first can be told from one
 #   of the push all-reduce;
 # - cold-push: every run cold, the push tests only (the NCCL parity tests deselected), the page
-#   cache dropped first where this user may (as after a machine's start): two stalls in 74 runs,
+#   cache dropped first where this user may (as after a machine's start): two stalls in 88 runs,
 #   about as often as the three in about 85 alternating runs, in shorter runs.
 # TP_SOAK_PAIRS=N runs N soaks side by side, one on each pair of GPUs (the first two of
 # CUDA_VISIBLE_DEVICES, or of 0..2N-1, then the next two, ...), each into DIR/pairP with its lines
