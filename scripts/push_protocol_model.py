@@ -11,8 +11,8 @@ its other slot 39, while rank 1 waits for 38 with 37 and 38 (docs/PARALLEL.md, "
 Open; about 55 s), under each variant: in step; a count skipped or repeated once; a rank's count
 jumping to any value once (one rank or both); a counter's upper half altered (the count plus
 m x 2^32 from some call on, one rank or both: the tag wraps modulo 2^32 - 1 while the slot follows
-the count's parity, so tags land in the other parity's slot); up to four calls of a rank in flight
-at once. Prints each variant and whether the stall is reachable; exits 0 if none reaches it.
+the count's parity, so tags land in the other parity's slot), or the count plus 2^32 - 1 (the same
+tags, each in the other parity's slot); up to four calls of a rank in flight at once. Prints each variant and whether the stall is reachable; exits 0 if none reaches it.
 Then (`overlapping_records`) it lets a rank's kernels overlap, as they would if the PDL chain
 between them broke: a kernel may start once the one before it has started, and its read and
 write of the call counter are separate steps, so two kernels may read the same count; a stalled
@@ -122,10 +122,12 @@ def variants(calls: int, around: range) -> Iterator[tuple[str, list[list[Call]],
             continue
         seq = [counted(calls, *j) if j is not None else normal for j in (jump0, jump1)]
         yield f"counts jumping once: rank 0 {jump0}, rank 1 {jump1}", seq, 1
-    for at, high, ranks in itertools.product(around, (1, 2), ((0,), (1,), (0, 1))):
-        altered = counted(calls, at, at + (high << 32))
+    shifts = {1 << 32: "upper half plus 1", 2 << 32: "upper half plus 2",
+              0xFFFFFFFF: "plus 2^32 - 1 (the same tag in the other slot)"}
+    for at, shift, ranks in itertools.product(around, shifts, ((0,), (1,), (0, 1))):
+        altered = counted(calls, at, at + shift)
         seq = [altered if rank in ranks else normal for rank in (0, 1)]
-        yield f"counter's upper half plus {high} from call {at} on rank(s) {ranks}", seq, 1
+        yield f"counter's {shifts[shift]} from call {at} on rank(s) {ranks}", seq, 1
     for depth in (2, 3, 4):
         yield f"up to {depth} calls of a rank in flight", [normal, normal], depth
 

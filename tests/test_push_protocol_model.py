@@ -1,8 +1,8 @@
 """scripts/push_protocol_model.py: the protocol in step ends with every call done; a skipped count,
-calls in flight, a counter's upper half altered or kernels of a rank overlapping can stall it, and
-the model finds those stalls; a stall with a tag in the slot of the other parity is reachable in no
-variant; and `fits` finds the alteration of a rank's calls that made a stall, fewest changes
-first."""
+calls in flight, a counter's upper half altered (or the count plus 2^32 - 1) or kernels of a rank
+overlapping can stall it, and the model finds those stalls; a stall with a tag in the slot of the
+other parity is reachable in no variant; and `fits` finds the alteration of a rank's calls that
+made a stall, fewest changes first."""
 
 from __future__ import annotations
 
@@ -33,6 +33,14 @@ def test_a_counters_upper_half_altered_puts_tags_in_the_other_paritys_slot():
     assert model.counted(6, 3, 3 + (1 << 32))[2] == (4, 1, 4, 1)
     # rank 1 from call 5 on: rank 0 waits for 5 with 6 in that slot, rank 1 for 6 with 5 there
     assert model.end_states([model.counted(12), model.counted(12, 5, 5 + (1 << 32))]) == {((5, 6, 4), (6, 5, 4))}
+
+
+def test_a_count_plus_2_to_the_32_minus_1_keeps_its_tag_in_the_other_slot():
+    assert model.counted(6, 3, 3 + 0xFFFFFFFF)[2] == (3, 0, 3, 0)
+    # rank 1 from call 5 on: each rank pushes and waits for call 5 in the slot the other does not
+    # use; or rank 1's call 5 overwrote its call 4 in that slot before rank 0 had read it
+    assert model.end_states([model.counted(12), model.counted(12, 5, 5 + 0xFFFFFFFF)]) == {
+        ((5, 3, 5), (5, 4, 5)), ((4, 5, 3), (5, 4, 3))}
 
 
 def test_overlapping_kernels_that_read_the_same_count_stall_the_peer():
