@@ -17,7 +17,11 @@ Protocol (NCCL's "LL" idea): the tensor is read as 32-bit lanes; a rank sends ea
 tag in a word has that word's data. Per program j of a grid that is the same for every call:
 - tag = this program's call count (a counter in device memory, so graph replays count too; every
   rank makes the same calls in the same order, so the tags agree across ranks), sent as 32 bits
-  that are never 0 (the buffers start zeroed);
+  that are never 0 (the buffers start zeroed). The count is read and advanced by one atomic whose
+  result all the program's threads share: read by every thread and stored by one, a warp that read
+  after the store counted the call one ahead, so its lanes pushed and waited with the next call's
+  tag in the next call's slot and both ranks stalled (the rare start-up stall of
+  docs/PARALLEL.md, "Push all-reduce");
 - words go to slot [tag % 2][this rank] of every peer's buffer;
 - the program then polls its lanes of slot [tag % 2][peer] in its own buffer until every word
   carries the tag, and sums the ranks' values in rank order (its own from x): the same fp32 sum,
@@ -248,8 +252,7 @@ def _push_all_reduce_kernel(x_ptr, lanes, buffer_ptrs, counter_ptr, slot_words,
     dtype = x_ptr.dtype.element_ty
     x_lanes = x_ptr.to(tl.pointer_type(tl.int32))
     wait_for_producers(PDL)          # x is the projection's output: nothing is read before this
-    call = tl.load(counter_ptr + pid) + 1
-    tl.store(counter_ptr + pid, call)
+    call = tl.atomic_add(counter_ptr + pid, 1, sem="relaxed") + 1   # one read for all threads (module docstring)
     tag32, parity = tag_of_call(call)
     for start in range(pid * BLOCK, lanes, programs * BLOCK):
         offs = start + tl.arange(0, BLOCK)

@@ -327,6 +327,42 @@ def test_a_rank_that_cannot_map_its_peers_says_why_and_keeps_nccl(monkeypatch, c
     assert "push all-reduce unavailable on rank 0 (peer access is not supported" in caplog.text
 
 
+_SM90_PTX = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from models.push_all_reduce import _push_all_reduce_kernel
+signature = {"x_ptr": "*bf16", "lanes": "i32", "buffer_ptrs": "*i64", "counter_ptr": "*i64", "slot_words": "i32"}
+constants = dict(RANK=0, WORLD=2, ELEM_BITS=16, BLOCK=1024, STRONG=True, TIMEOUT_NS=10**9, RECORD=False, PDL=True)
+signature.update(dict.fromkeys(constants, "constexpr"))
+kernel = triton.compile(ASTSource(_push_all_reduce_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": 4, "launch_pdl": True})
+print(kernel.asm["ptx"])
+"""
+
+
+def test_a_programs_threads_share_one_read_of_the_call_count():
+    """The kernel as an H100 / H200 runs it (PTX for sm_90, compiled here without a GPU): the call
+    count is advanced by one atomic whose result goes to every thread through shared memory before
+    any word is pushed. Read by every thread and stored by one, a warp that read after the store
+    counted the call one ahead and pushed and waited with the next call's tag in the next call's
+    slot: both ranks stalled (scripts/push_protocol_model.py, `split_lanes_ends`)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(repo))
+    done = subprocess.run([sys.executable, "-c", _SM90_PTX], capture_output=True, text=True, timeout=240, env=env,
+                          cwd=repo)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ptx = done.stdout
+    atomics = [line for line in ptx.splitlines() if "atom." in line]
+    assert len(atomics) == 1 and "atom.global.gpu.relaxed.add.u64" in atomics[0], atomics
+    after = ptx.split(atomics[0], 1)[1]
+    assert after.index("st.shared") < after.index("bar.sync") < after.index("st.relaxed.sys.global.b64")
+    assert "st.global.b64" not in ptx   # no 64-bit word is stored to global memory but the pushes
+
+
 def _against_nccl(rank: int, port: int, failures) -> None:
     """Rank `rank` of two: eager calls of several sizes and dtypes equal NCCL's, so do GEMVs that
     all-reduce their own output (against `linear` then NCCL), and captured calls of both replay
