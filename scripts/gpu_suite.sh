@@ -34,7 +34,7 @@
 #               first; TP_SOAK_ORDER=cold-push: every run cold, push tests only; TP_SOAK_PAIRS=2: on
 #               two GPU pairs side by side), each run's log, trace and the push kernels' timeout
 #               record kept, every process's stacks dumped while it runs long (scripts/tp_soak.sh;
-#               the push all-reduce's rare stall, docs/PARALLEL.md)
+#               the push all-reduce's rare start-up stall, docs/PARALLEL.md)
 #   all         tests bench decode-hf attention throughput capture replay addresses
 # Raw output goes to DIR (--out, else $OUT, else bench-results/gpu-suite): suite.log holds every
 # step's output, DIR/<step>/ its JSON and plots. Printed last: each step's exit code and time, then

@@ -2,25 +2,28 @@
 which end states a stall can have: each rank's calls push one word per lane, tagged with the
 call's count, into the peer's slot of the count's parity, and wait for the peer's word of the same
 count in its own slot of that parity. The model keeps, per rank, the last tag in each of its two
-slots (a program's lanes move together), and searches every interleaving.
+slots (a program's lanes moving together, except in `split_lanes_ends`), and searches every
+interleaving.
 
     python scripts/push_protocol_model.py --calls 45 --stall 38,36,39 38,37,38
 
 asks whether rank 0 can end waiting for call 38 with its slot of that call's parity holding 36 and
-its other slot 39, while rank 1 waits for 38 with 37 and 38 (docs/PARALLEL.md, "Push all-reduce",
-Open; about 55 s), under each variant: in step; a count skipped or repeated once; a rank's count
-jumping to any value once (one rank or both); a counter's upper half altered (the count plus
-m x 2^32 from some call on, one rank or both: the tag wraps modulo 2^32 - 1 while the slot follows
-the count's parity, so tags land in the other parity's slot), or the count plus 2^32 - 1 (the same
-tags, each in the other parity's slot); up to four calls of a rank in flight at once. Prints each variant and whether the stall is reachable; exits 0 if none reaches it.
-Then (`overlapping_records`) it lets a rank's kernels overlap, as they would if the PDL chain
-between them broke: a kernel may start once the one before it has started, and its read and
-write of the call counter are separate steps, so two kernels may read the same count; a stalled
-rank's timeout record may mix the fields of its stalled kernels (each writes its row field by
-field). Then (`fits`) it lets one rank's two calls up to the stall do anything a kernel could get
-wrong: push any tag into either slot or nowhere, and wait for any tag in either slot, and prints
-the alterations that reach the stall, fewest changes first: what to look for in the counters and
-slots of the next stall."""
+its other slot 39, while rank 1 waits for 38 with 37 and 38 (the timeout records of a stall,
+docs/PARALLEL.md, "Push all-reduce"; about 50 s), under each variant: in step; a count skipped or
+repeated once; a rank's count jumping to any value once (one rank or both); a counter's upper half
+altered (the count plus m x 2^32 from some call on, one rank or both: the tag wraps modulo
+2^32 - 1 while the slot follows the count's parity, so tags land in the other parity's slot), or
+the count plus 2^32 - 1 (the same tags, each in the other parity's slot); up to four calls of a
+rank in flight at once. Then (`overlapping_records`) it lets a rank's kernels overlap, as they
+would if the PDL chain between them broke: a kernel may start once the one before it has started,
+and its read and write of the call counter are separate steps, so two kernels may read the same
+count; a stalled rank's timeout record may mix the fields of its stalled kernels (each writes its
+row field by field). Then (`split_lanes_ends`) it splits one call's lanes: the warps that read the
+count after thread 0 stored it take the next count (the kernel's race while every thread read the
+count: the records above are exactly rank 1's call 38 split so). Prints whether each reaches the
+stall, and exits 0 if none does. Last (`fits`) it lets one rank's two calls up to the stall do
+anything a kernel could get wrong (push any tag into either slot or nowhere, wait for any tag in
+either slot) and prints the alterations that reach the stall, fewest changes first."""
 
 from __future__ import annotations
 
@@ -196,6 +199,60 @@ def overlapping_records(first: int, kernels: int) -> set[tuple[frozenset, frozen
     return {records for records in ends if any(records)}
 
 
+def split_lanes_ends(calls: int, rank: int, at: int) -> set[tuple[Any, Any]]:
+    """Every stalled end when rank `rank`'s call `at` has its program's lanes split in two: the lanes
+    of warp 0, whose thread 0 stores the advanced count, take the call's count; the others took the
+    next one, having read the counter after that store (the race of models/push_all_reduce.py's
+    kernel while every thread read the count and one stored it). A rank pushes all its lanes of a
+    call at once and ends the call when every lane's slot holds its tag. Ends are what the
+    timeout records give (End): the tag warp 0 waits for (thread 0 writes the record), the call in
+    the waiting lanes of their slot (a (lowest, highest) pair where they differ), the highest call
+    in the other slot over all lanes."""
+    def count(r: int, group: int, k: int) -> int:
+        return k + 1 if (r, group, k) == (rank, 1, at) else k
+
+    def moves_of(state) -> list:
+        progress, slots = state
+        moves = []
+        for r in (0, 1):
+            pushed, done = progress[r]
+            if pushed < calls and pushed == done:
+                k = pushed + 1
+                peer = [list(group) for group in slots[1 - r]]
+                for group in (0, 1):
+                    c = count(r, group, k)
+                    peer[group][c % 2] = tag_of(c)
+                new_slots = list(slots)
+                new_slots[1 - r] = tuple(tuple(group) for group in peer)
+                new_progress = list(progress)
+                new_progress[r] = (pushed + 1, done)
+                moves.append((tuple(new_progress), tuple(new_slots)))
+            if done < pushed:
+                k = done + 1
+                if all(slots[r][g][count(r, g, k) % 2] == tag_of(count(r, g, k)) for g in (0, 1)):
+                    new_progress = list(progress)
+                    new_progress[r] = (pushed, done + 1)
+                    moves.append((tuple(new_progress), slots))
+        return moves
+
+    def records_of(state) -> tuple[Any, Any]:
+        progress, slots = state
+        ends = []
+        for r in (0, 1):
+            k = progress[r][1] + 1
+            if k > calls:
+                ends.append(None)
+                continue
+            counts = [count(r, g, k) for g in (0, 1)]
+            held = sorted({slots[r][g][c % 2] for g, c in enumerate(counts) if slots[r][g][c % 2] != tag_of(c)})
+            other = max(slots[r][g][1 - c % 2] for g, c in enumerate(counts))
+            ends.append((tag_of(counts[0]), held[0] if len(held) == 1 else (held[0], held[-1]), other))
+        return tuple(ends)
+
+    zeroed = ((0, 0), (0, 0))
+    return stuck_ends((((0, 0), (0, 0)), (zeroed, zeroed)), moves_of, records_of)
+
+
 def fits(stall: tuple[End, End], tags: range) -> list[tuple[int, int, Call, Call]]:
     """(changes, rank, the call before the stalled one, the stalled one) for every alteration of one
     rank's two calls up to the stall (any `Call`, tags from `tags`) that ends in `stall` in some
@@ -243,6 +300,11 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{'reachable' if overlapping else 'not reachable'}")
     if overlapping:
         reached.append("kernels overlapping")
+    split = [(rank, at) for rank in (0, 1) for at in range(args.around[0], args.around[1] + 1)
+             if at <= args.calls and stall in split_lanes_ends(args.calls, rank, at)]
+    print("with a program's lanes split (warps that read the count after its store take the next): "
+          + ("; ".join(f"reachable at rank {rank}'s call {at}" for rank, at in split) or "not reachable"))
+    reached += [f"lanes split at rank {rank}'s call {at}" for rank, at in split]
     found = fits(stall, range(max(1, waited - 3), waited + 3))
     print(f"{len(found)} alteration(s) of one rank's calls {waited - 1} and {waited} reach it "
           "((tag pushed, slot pushed to or None: lost, tag waited for, slot polled) of each):")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The multi-GPU tensor-parallel tests run again and again, to catch a rare stall of the push
-# all-reduce (docs/PARALLEL.md, "Push all-reduce"):
+# The multi-GPU tensor-parallel tests run again and again, to check that the push all-reduce's
+# rare start-up stall (docs/PARALLEL.md, "Push all-reduce": its cause, and the fix) no longer comes:
 #   bash scripts/tp_soak.sh DIR [RUNS]          (RUNS default 5; gpu_suite.sh's tp-soak stage)
 # Each run is `pytest -m multigpu tests/test_push_all_reduce.py tests/test_tensor_parallel.py` in a
 # fresh process. TP_SOAK_ORDER picks what the runs are:
@@ -12,8 +12,9 @@
 #   them, so that a failure of whichever TP engine meets the cold start first can be told from one
 #   of the push all-reduce;
 # - cold-push: every run cold, the push tests only (the NCCL parity tests deselected), the page
-#   cache dropped first where this user may (as after a machine's start): two stalls in 88 runs,
-#   about as often as the three in about 85 alternating runs, in shorter runs.
+#   cache dropped first where this user may (as after a machine's start): two stalls in 88 runs of
+#   the kernel before its fix, about as often as the three in about 85 alternating runs, in
+#   shorter runs.
 # TP_SOAK_PAIRS=N runs N soaks side by side, one on each pair of GPUs (the first two of
 # CUDA_VISIBLE_DEVICES, or of 0..2N-1, then the next two, ...), each into DIR/pairP with its lines
 # prefixed "pair P (GPUs a,b)": a 4-GPU machine soaks twice as many runs in the same time.

@@ -1,8 +1,8 @@
 """scripts/push_protocol_model.py: the protocol in step ends with every call done; a skipped count,
 calls in flight, a counter's upper half altered (or the count plus 2^32 - 1) or kernels of a rank
 overlapping can stall it, and the model finds those stalls; a stall with a tag in the slot of the
-other parity is reachable in no variant; and `fits` finds the alteration of a rank's calls that
-made a stall, fewest changes first."""
+other parity is reachable only with a call's lanes split, some taking the next count; and `fits`
+finds the alteration of a rank's calls that made a stall, fewest changes first."""
 
 from __future__ import annotations
 
@@ -54,11 +54,20 @@ def test_main_says_which_variant_reaches_a_stall(capsys):
     assert "reachable: rank 1's count skipped at call 5" in capsys.readouterr().out
 
 
-def test_a_tag_in_the_other_paritys_slot_is_reachable_in_no_variant(capsys):
-    # the shape of the recorded stall: rank 1 waits for call 6 and its slot of 6's parity holds 5
-    assert model.main(["--calls", "12", "--stall", "6,4,7", "6,5,6", "--around", "1", "12"]) == 0
+def test_a_tag_in_the_other_paritys_slot_needs_a_calls_lanes_split(capsys):
+    # the shape of the recorded stall: rank 1 waits for call 6 and its slot of 6's parity holds 5;
+    # no count, overlap or shift of a program's lanes together gives it, rank 1's call 6 split does
+    assert model.main(["--calls", "12", "--stall", "6,4,7", "6,5,6", "--around", "1", "12"]) == 1
     out = capsys.readouterr().out
     assert "reachable in 0 variant(s)" in out and "kernels overlapping (calls 5..7): not reachable" in out
+    assert "lanes split (warps that read the count after its store take the next): reachable at rank 1's call 6\n" in out
+
+
+def test_a_call_whose_late_warps_take_the_next_count_stalls_as_recorded():
+    # rank 1's call 38: warp 0's lanes push and wait for 38, the late warps' lanes for 39 (in 39's
+    # slot); rank 0 waits for the late lanes' 38, which never come. The records of the stall:
+    assert ((38, 36, 39), (38, 37, 38)) in model.split_lanes_ends(45, 1, 38)
+    assert model.split_lanes_ends(12, 1, 100) == {(None, None)}   # no call split: every call ends
 
 
 def test_fits_finds_the_alteration_that_made_a_stall_fewest_changes_first():
