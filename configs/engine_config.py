@@ -191,8 +191,8 @@ class ParallelConfig(_Config):
                           "that pushes each rank's values into its peers' buffers over NVLink "
                           "(models/push_all_reduce.py) instead of NCCL, from a buffer of 8 x tensor_parallel_size x "
                           "this bytes on each GPU; 131072 takes decode batches up to 16 rows of 4096 bf16. "
-                          "0 (default): NCCL for all, until a hang seen once with it on is explained "
-                          "(docs/PARALLEL.md) [GRAPHRUNNER_PUSH_ALL_REDUCE_MAX_BYTES]")
+                          "0 (default): NCCL for all, until the fix of a rare start-up stall with it on has run "
+                          "on GPUs (docs/PARALLEL.md) [GRAPHRUNNER_PUSH_ALL_REDUCE_MAX_BYTES]")
     push_all_reduce_in_gemv: bool = Field(
         default_factory=env_default("GRAPHRUNNER_PUSH_ALL_REDUCE_IN_GEMV", "ParallelConfig.push_all_reduce_in_gemv",
                                     True),
