@@ -328,32 +328,54 @@ def test_a_rank_that_cannot_map_its_peers_says_why_and_keeps_nccl(monkeypatch, c
 
 
 _SM90_PTX = """
-import triton
+import json, sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from models.push_all_reduce import _push_all_reduce_kernel
-signature = {"x_ptr": "*bf16", "lanes": "i32", "buffer_ptrs": "*i64", "counter_ptr": "*i64", "slot_words": "i32"}
-constants = dict(RANK=0, WORLD=2, ELEM_BITS=16, BLOCK=1024, STRONG=True, TIMEOUT_NS=10**9, RECORD=False, PDL=True)
+from models import push_all_reduce, small_batch_kernels
+kernel, signature, constants, options = json.loads(sys.argv[1])
+module = push_all_reduce if hasattr(push_all_reduce, kernel) else small_batch_kernels
 signature.update(dict.fromkeys(constants, "constexpr"))
-kernel = triton.compile(ASTSource(_push_all_reduce_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                        options={"num_warps": 4, "launch_pdl": True})
-print(kernel.asm["ptx"])
+compiled = triton.compile(ASTSource(getattr(module, kernel), signature, constants), target=GPUTarget("cuda", 90, 32),
+                          options=options)
+print(compiled.asm["ptx"])
 """
 
+_SHARED_COUNT_KERNELS = {
+    "the all-reduce kernel": ("_push_all_reduce_kernel",
+                              {"x_ptr": "*bf16", "lanes": "i32", "buffer_ptrs": "*i64", "counter_ptr": "*i64",
+                               "slot_words": "i32"},
+                              dict(RANK=0, WORLD=2, ELEM_BITS=16, BLOCK=1024, STRONG=True, TIMEOUT_NS=10**9,
+                                   RECORD=False, PDL=True),
+                              {"num_warps": 4, "launch_pdl": True}),
+    "the GEMV that all-reduces its output": (   # a one-row o_proj of a Llama-3-8B TP=2 shard
+        "_small_rows_kernel",
+        {**dict.fromkeys(("x_ptr", "res_ptr", "norm_w_ptr", "w_ptr", "b_ptr", "out_ptr", "res_out_ptr"), "*bf16"),
+         **dict.fromkeys(("M", "N", "K"), "i32"), "eps": "fp32",
+         **dict.fromkeys(("stride_xm", "stride_xk", "stride_rm", "stride_rk"), "i32"),
+         "ar_buffer_ptrs": "*i64", "ar_tickets_ptr": "*i64", "ar_slot_words": "i32"},
+        dict(HAS_NORM=False, HAS_RESIDUAL=False, HAS_BIAS=False, GATED=False, IEEE=False, ONE_TILE=False, BLOCK_M=1,
+             BLOCK_N=2, BLOCK_K=1024, RMS_BLOCK=2048, PDL=True, ALL_REDUCE=True, AR_RANK=0, AR_WORLD=2,
+             AR_ELEM_BITS=16, AR_LANES=1, AR_STRONG=True, AR_TIMEOUT_NS=10**9, AR_RECORD=False),
+        {"num_warps": 4, "num_stages": 1, "launch_pdl": True}),
+}
 
-def test_a_programs_threads_share_one_read_of_the_call_count():
-    """The kernel as an H100 / H200 runs it (PTX for sm_90, compiled here without a GPU): the call
-    count is advanced by one atomic whose result goes to every thread through shared memory before
-    any word is pushed. Read by every thread and stored by one, a warp that read after the store
-    counted the call one ahead and pushed and waited with the next call's tag in the next call's
-    slot: both ranks stalled (scripts/push_protocol_model.py, `split_lanes_ends`)."""
+
+@pytest.mark.parametrize("kernel", sorted(_SHARED_COUNT_KERNELS))
+def test_a_programs_threads_share_one_read_of_the_call_count(kernel):
+    """Each kernel as an H100 / H200 runs it (PTX for sm_90, compiled here without a GPU): its call
+    count (the all-reduce kernel's per program, the GEMV's ticket) is advanced by one atomic whose
+    result goes to every thread through shared memory before any word is pushed. Read by every
+    thread and stored by one, a warp that read after the store counted the call one ahead and
+    pushed and waited with the next call's tag in the next call's slot: both ranks stalled
+    (scripts/push_protocol_model.py, `split_lanes_ends`)."""
+    import json
     import subprocess
     import sys
     from pathlib import Path
     repo = Path(__file__).resolve().parent.parent
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(repo))
-    done = subprocess.run([sys.executable, "-c", _SM90_PTX], capture_output=True, text=True, timeout=240, env=env,
-                          cwd=repo)
+    done = subprocess.run([sys.executable, "-c", _SM90_PTX, json.dumps(_SHARED_COUNT_KERNELS[kernel])],
+                          capture_output=True, text=True, timeout=240, env=env, cwd=repo)
     assert done.returncode == 0, done.stderr[-3000:]
     ptx = done.stdout
     atomics = [line for line in ptx.splitlines() if "atom." in line]
