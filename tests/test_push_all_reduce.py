@@ -331,24 +331,23 @@ _SM90_PTX = """
 import json, sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from models import push_all_reduce, small_batch_kernels
-kernel, signature, constants, options = json.loads(sys.argv[1])
-module = push_all_reduce if hasattr(push_all_reduce, kernel) else small_batch_kernels
+from importlib import import_module
+module, kernel, signature, constants, options = json.loads(sys.argv[1])
 signature.update(dict.fromkeys(constants, "constexpr"))
-compiled = triton.compile(ASTSource(getattr(module, kernel), signature, constants), target=GPUTarget("cuda", 90, 32),
-                          options=options)
+compiled = triton.compile(ASTSource(getattr(import_module(module), kernel), signature, constants),
+                          target=GPUTarget("cuda", 90, 32), options=options)
 print(compiled.asm["ptx"])
 """
 
 _SHARED_COUNT_KERNELS = {
-    "the all-reduce kernel": ("_push_all_reduce_kernel",
+    "the all-reduce kernel": ("models.push_all_reduce", "_push_all_reduce_kernel",
                               {"x_ptr": "*bf16", "lanes": "i32", "buffer_ptrs": "*i64", "counter_ptr": "*i64",
                                "slot_words": "i32"},
                               dict(RANK=0, WORLD=2, ELEM_BITS=16, BLOCK=1024, STRONG=True, TIMEOUT_NS=10**9,
                                    RECORD=False, PDL=True),
                               {"num_warps": 4, "launch_pdl": True}),
     "the GEMV that all-reduces its output": (   # a one-row o_proj of a Llama-3-8B TP=2 shard
-        "_small_rows_kernel",
+        "models.small_batch_kernels", "_small_rows_kernel",
         {**dict.fromkeys(("x_ptr", "res_ptr", "norm_w_ptr", "w_ptr", "b_ptr", "out_ptr", "res_out_ptr"), "*bf16"),
          **dict.fromkeys(("M", "N", "K"), "i32"), "eps": "fp32",
          **dict.fromkeys(("stride_xm", "stride_xk", "stride_rm", "stride_rk"), "i32"),
@@ -460,24 +459,32 @@ def test_multigpu_push_all_reduce_equals_nccl():
     _on_two_gpus(_against_nccl)
 
 
-def _peer_never_pushes(rank: int, port: int, failures) -> None:
-    """Rank 0 all-reduces while rank 1 never does: the kernel must end in a CUDA error after the
-    3 s peer timeout, not wait for ever, and its timeout record, read after the trap, must say what
-    it waited for. (The GEMVs that all-reduce themselves poll through the same
-    `summed_lanes` with the same timeout: test_the_engine_gives_its_tp_timeout_to_both_kernels.)
-    Rank 1 hosts the store, so rank 0 may exit at once; neither tears its groups down, as rank 0's
-    CUDA context is lost."""
+def rank0_with_a_silent_peer(rank: int, port: int, **push_options):
+    """Rank `rank` of two sets up its push all-reduce (NCCL groups, `push_options` for
+    `comm.push_all_reduce`). Rank 1 hosts the store, then waits without pushing until rank 0 sets
+    "rank 0 done", and exits; rank 0 gets (store, reducer) and must set that key and leave with
+    os._exit when done. Neither tears its groups down: a push kernel that traps loses rank 0's CUDA
+    context."""
     import datetime
-    import time
     import torch.distributed as dist
     comm.set_distributed_env()
     torch.cuda.set_device(rank)
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 1, timeout=datetime.timedelta(seconds=120))
     groups = comm.init_groups("nccl", rank, Topology(tp_size=2, pp_size=1), 120.0, store)
-    reducer = comm.push_all_reduce(1 << 16, torch.device("cuda", rank), groups, peer_timeout_s=3.0, timeout_record=True)
+    reducer = comm.push_all_reduce(1 << 16, torch.device("cuda", rank), groups, **push_options)
     if rank == 1:
         store.wait(["rank 0 done"], datetime.timedelta(seconds=120))   # pushes nothing meanwhile
         os._exit(0)
+    return store, reducer
+
+
+def _peer_never_pushes(rank: int, port: int, failures) -> None:
+    """Rank 0 all-reduces while rank 1 never does: the kernel must end in a CUDA error after the
+    3 s peer timeout, not wait for ever, and its timeout record, read after the trap, must say what
+    it waited for. (The GEMVs that all-reduce themselves poll through the same
+    `summed_lanes` with the same timeout: test_the_engine_gives_its_tp_timeout_to_both_kernels.)"""
+    import time
+    store, reducer = rank0_with_a_silent_peer(rank, port, peer_timeout_s=3.0, timeout_record=True)
     x = torch.ones(1, 4096, dtype=torch.bfloat16, device="cuda")
     started = time.monotonic()
     try:

@@ -145,27 +145,17 @@ def test_blocks_at_names_every_block_over_a_range():
 def _rank_stalled_by_its_peer(rank: int, port: int, failures) -> None:
     """Rank 0 all-reduces while rank 1 never does, so rank 0's synchronize stalls behind a push kernel
     that spins until the 20 s peer timeout: the trace's watcher must snapshot it meanwhile (rank 1
-    hosts the store and waits, so its mapping stays open). Neither tears its groups down: rank 0's
-    CUDA context is lost to the trap."""
-    import datetime
+    waits, so its mapping stays open); then the kernel traps."""
     import torch
-    import torch.distributed as dist
-    from runner.distributed import comm
-    from runner.distributed.topology import Topology
-    comm.set_distributed_env()
-    torch.cuda.set_device(rank)
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 1, timeout=datetime.timedelta(seconds=120))
-    groups = comm.init_groups("nccl", rank, Topology(tp_size=2, pp_size=1), 120.0, store)
-    reducer = comm.push_all_reduce(1 << 16, torch.device("cuda", rank), groups, peer_timeout_s=20.0)
-    if rank == 1:
-        store.wait(["rank 0 done"], datetime.timedelta(seconds=120))
-        os._exit(0)
+    from tests.test_push_all_reduce import rank0_with_a_silent_peer
+    store, reducer = rank0_with_a_silent_peer(rank, port, peer_timeout_s=20.0)
     try:
         reducer.all_reduce_(torch.ones(1, 4096, dtype=torch.bfloat16, device="cuda"))
         torch.cuda.synchronize()
         failures.put("the all-reduce returned without the peer's words")
-    except RuntimeError:   # the trap, after the snapshot
-        pass
+    except RuntimeError as error:   # the trap, after the snapshot
+        if "CUDA" not in str(error):
+            failures.put(f"the stalled all-reduce ended in another error: {error}")
     finally:
         store.set("rank 0 done", "1")
         os._exit(0)
