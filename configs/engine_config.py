@@ -186,13 +186,12 @@ class ParallelConfig(_Config):
                           "[GRAPHRUNNER_PP_STEP_TIMEOUT_S]")
     push_all_reduce_max_bytes: int = Field(
         default_factory=env_default("GRAPHRUNNER_PUSH_ALL_REDUCE_MAX_BYTES",
-                                    "ParallelConfig.push_all_reduce_max_bytes", 0),
+                                    "ParallelConfig.push_all_reduce_max_bytes", 128 << 10),
         ge=0, description="tensor parallelism on GPUs: all-reduces of at most this many bytes run as one kernel "
                           "that pushes each rank's values into its peers' buffers over NVLink "
                           "(models/push_all_reduce.py) instead of NCCL, from a buffer of 8 x tensor_parallel_size x "
-                          "this bytes on each GPU; 131072 takes decode batches up to 16 rows of 4096 bf16. "
-                          "0 (default): NCCL for all, until the fix of a rare start-up stall with it on has run "
-                          "on GPUs (docs/PARALLEL.md) [GRAPHRUNNER_PUSH_ALL_REDUCE_MAX_BYTES]")
+                          "this bytes on each GPU; the default 131072 takes decode batches up to 16 rows of 4096 "
+                          "bf16 (docs/PARALLEL.md). 0: NCCL for all [GRAPHRUNNER_PUSH_ALL_REDUCE_MAX_BYTES]")
     push_all_reduce_in_gemv: bool = Field(
         default_factory=env_default("GRAPHRUNNER_PUSH_ALL_REDUCE_IN_GEMV", "ParallelConfig.push_all_reduce_in_gemv",
                                     True),

@@ -2,7 +2,7 @@
 into every peer's buffer over NVLink (the buffers are mapped into each other's processes through
 CUDA IPC: runner/distributed/comm.push_all_reduce) and adds what the peers pushed into its own.
 `PushAllReduce.all_reduce_`; `tensor_parallel_all_reduce` takes it for the tensors it accepts, when
-ParallelConfig.push_all_reduce_max_bytes is set (off by default: docs/PARALLEL.md says why).
+ParallelConfig.push_all_reduce_max_bytes is above 0 (the default, 131072 bytes: docs/PARALLEL.md).
 
 Why not NCCL for these: a decode step of a tensor-parallel Llama-3-8B all-reduces one 8 KiB row
 twice per layer, 64 times a step at batch 1. In the replayed step NCCL's kernel takes ~6.5 us, plus

@@ -25,10 +25,10 @@
 #   addresses   host cost of the debug address check
 #   profile     kernels and host functions of a FULL decode step (SmolLM2, Llama-3.2-1B; bs 1)
 #   pp          the multi-GPU tests (pipeline, tensor parallel, push all-reduce; two GPUs) and the Llama-3-8B
-#               shape's FULL decode step at batch 1 and 32, TP=1 against TP=2 (NCCL all-reduces), then
-#               the push all-reduce against NCCL in a graph, and TP=2 with it (batch 1, 16, 32; batch 1
-#               also with its sum after the o_proj / down GEMVs instead of inside them); the
-#               one-row GEMV tiles on a TP=2 rank's Llama-3-8B shards
+#               shape's FULL decode step at batch 1, 16 and 32, TP=1 against TP=2 (the default: the push
+#               all-reduce up to 131072 bytes), then the push all-reduce against NCCL in a graph, TP=2
+#               with NCCL for every all-reduce, and at batch 1 with the push sum after the o_proj / down
+#               GEMVs instead of inside them; the one-row GEMV tiles on a TP=2 rank's Llama-3-8B shards
 #   tp-soak     the multi-GPU tensor-parallel tests TP_SOAK_RUNS times (default 5), every other run with
 #               cold caches (half of those with the NCCL engines first, half with the push tests
 #               first; TP_SOAK_ORDER=cold-push: every run cold, push tests only; TP_SOAK_PAIRS=2: on
@@ -177,17 +177,19 @@ for stage in "${STAGES[@]}"; do
     pp)
       step pp-tests 330 python3 -m pytest -q -p no:cacheprovider -m "cuda or multigpu" -rA tests/test_pipeline.py \
         tests/test_tensor_parallel.py tests/test_push_all_reduce.py tests/test_push_trace.py
-      step tp-decode 240 "${BENCH[@]}" decode --shapes llama-3-8b --modes FULL --batch-sizes 1 32 \
+      step tp-decode 240 "${BENCH[@]}" decode --shapes llama-3-8b --modes FULL --batch-sizes 1 16 32 \
         --tensor-parallel-size 1 2 --no-hf --no-plot --out "$OUT_DIR/tp-decode"
       step all-reduce 120 "${BENCH[@]}" all_reduce --out "$OUT_DIR/all-reduce"
       step gemv-tp2 240 "${BENCH[@]}" gemv_configs --shapes llama-3-8b --tensor-parallel-size 2 \
         --out "$OUT_DIR/gemv-tp2"
-      step tp-decode-push 180 env GRAPHRUNNER_PUSH_ALL_REDUCE_MAX_BYTES=131072 "${BENCH[@]}" decode \
+      # The default's all-reduces (the push kernel's up to 131072 bytes) against NCCL's for all, and
+      # against the push kernel's run after the o_proj/down_proj GEMVs instead of inside them.
+      step tp-decode-nccl 180 env GRAPHRUNNER_PUSH_ALL_REDUCE_MAX_BYTES=0 "${BENCH[@]}" decode \
         --shapes llama-3-8b --modes FULL --batch-sizes 1 16 32 --tensor-parallel-size 2 --no-hf --no-plot \
-        --out "$OUT_DIR/tp-decode-push"
-      step tp-decode-push-after-gemv 180 env GRAPHRUNNER_PUSH_ALL_REDUCE_MAX_BYTES=131072 \
-        GRAPHRUNNER_PUSH_ALL_REDUCE_IN_GEMV=0 "${BENCH[@]}" decode --shapes llama-3-8b --modes FULL --batch-sizes 1 \
-        --tensor-parallel-size 2 --no-hf --no-plot --out "$OUT_DIR/tp-decode-push-after-gemv"
+        --out "$OUT_DIR/tp-decode-nccl"
+      step tp-decode-push-after-gemv 180 env GRAPHRUNNER_PUSH_ALL_REDUCE_IN_GEMV=0 "${BENCH[@]}" decode \
+        --shapes llama-3-8b --modes FULL --batch-sizes 1 --tensor-parallel-size 2 --no-hf --no-plot \
+        --out "$OUT_DIR/tp-decode-push-after-gemv"
       ;;
     tp-soak)
       runs=${TP_SOAK_RUNS:-5}

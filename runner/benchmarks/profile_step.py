@@ -11,7 +11,7 @@ step: what a small model's replayed step is made of besides kernels), and the to
 with their count per step. --host-profile also runs the same steps under cProfile and prints the
 host functions by own time per step (what PIECEWISE's eager attention and a step's Python cost).
 With --tensor-parallel-size N the engine spawns ranks 1..N-1 and the kernels are rank 0's (its
-all-reduces included: NCCL's, or the push all-reduce's with ParallelConfig.push_all_reduce_max_bytes).
+all-reduces included: the push all-reduce's, or NCCL's with ParallelConfig.push_all_reduce_max_bytes 0).
 """
 
 from __future__ import annotations
