@@ -11,10 +11,12 @@
 #   NCCL all-reduces, then the push tests), runs 3, 7, ... with the push tests, as the files list
 #   them, so that a failure of whichever TP engine meets the cold start first can be told from one
 #   of the push all-reduce;
-# - cold-push: every run cold, the push tests only (the NCCL parity tests deselected), the page
-#   cache dropped first where this user may (as after a machine's start): two stalls in 88 runs of
-#   the kernel before its fix, about as often as the three in about 85 alternating runs, in
-#   shorter runs.
+# - cold-push: every run cold, only the tests whose names do not mention NCCL (`-k "not nccl"`: the
+#   push parity tests and the trap test of a peer that never pushes; the NCCL parity tests and the
+#   push-against-NCCL sums are left out), the page cache dropped first where this user may (as
+#   after a machine's start): two stalls in 88 runs of the kernel before its fix, about as often
+#   as the three in about 85 alternating runs, in shorter runs; none in 24 runs of the fixed
+#   kernel.
 # TP_SOAK_PAIRS=N runs N soaks side by side, one on each pair of GPUs (the first two of
 # CUDA_VISIBLE_DEVICES, or of 0..2N-1, then the next two, ...), each into DIR/pairP with its lines
 # prefixed "pair P (GPUs a,b)": a 4-GPU machine soaks twice as many runs in the same time.

@@ -2,8 +2,8 @@
 layout and groups, the config/CLI surface and its errors, the ranks' agreement on one graph plan,
 one block count and one graph per step, TP=2 and TP=2 x PP=2 giving TP=1's and HF's tokens, and a
 dead or failing TP rank surfacing as an error that names it. The `multigpu` tests (2 GPUs) check
-TP=2 against TP=1 in FULL and FULL_AND_PIECEWISE with the address check on, with NCCL's
-all-reduces (the default) and with the push all-reduce.
+TP=2 against TP=1 in FULL and FULL_AND_PIECEWISE with the address check on, with the push
+all-reduce (the default) and with NCCL's all-reduces; with 4 GPUs, TP=2 x PP=2 the same way.
 
 Two kinds of end-to-end test:
 - `replicated`: every TP rank builds the whole model and a test shim (REPLICATED_SHIM) adds the
@@ -509,12 +509,10 @@ def test_tp_rank_step_error_reports_its_traceback(mqa, tmp_path, monkeypatch):
 
 
 # ---- GPU -------------------------------------------------------------------------------------
-@pytest.mark.multigpu
-@pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE"])
-@pytest.mark.parametrize("all_reduce", ["push", "nccl"])
-def test_multigpu_tp2_matches_tp1_in_graph_modes(tmp_path, mode, all_reduce):
-    """TP=2 greedy output equals TP=1's and HF's with the push all-reduce (the kernel, and the one-row
-    GEMVs summing their own output) and with NCCL for every all-reduce (the default)."""
+def _graph_mode_reference(tmp_path, mode: str):
+    """A tiny GQA Llama checkpoint (4 layers, 8 heads over 2 KV heads, 255-token vocabulary), its
+    prompts, HF's greedy tokens for them, the GPU engine options of `mode` (address check on) and
+    TP=1's tokens: the prompts, then the first three again (prefix-cache hits)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     path, hf = make_tiny_checkpoint(tmp_path / "llama", "llama_gqa", num_hidden_layers=4, with_tokenizer=False,
                                     vocab_size=255)
@@ -525,6 +523,16 @@ def test_multigpu_tp2_matches_tp1_in_graph_modes(tmp_path, mode, all_reduce):
                    max_num_seqs=16, max_num_batched_tokens=64, num_kv_blocks=256, debug_cudagraph_addresses=True)
     with LLM(model=str(path), **options) as llm:
         single = generated_tokens(llm, prompts, GREEDY) + generated_tokens(llm, prompts[:3], GREEDY)
+    return path, prompts, expected, options, single
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE"])
+@pytest.mark.parametrize("all_reduce", ["push", "nccl"])
+def test_multigpu_tp2_matches_tp1_in_graph_modes(tmp_path, mode, all_reduce):
+    """TP=2 greedy output equals TP=1's and HF's with the push all-reduce (the default: the kernel,
+    and the one-row GEMVs summing their own output) and with NCCL for every all-reduce."""
+    path, prompts, expected, options, single = _graph_mode_reference(tmp_path, mode)
     push_bytes = 128 << 10 if all_reduce == "push" else 0
     with LLM(model=str(path), tensor_parallel_size=2, push_all_reduce_max_bytes=push_bytes, **options) as llm:
         runner = llm.engine.model_runner
@@ -538,6 +546,24 @@ def test_multigpu_tp2_matches_tp1_in_graph_modes(tmp_path, mode, all_reduce):
             assert push.tickets.any()   # one-row steps: o_proj / down all-reduced in the GEMV
         else:
             assert push is None
+    assert parallel == single
+    assert parallel[:len(prompts)] == expected
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="TP=2 x PP=2 needs 4 CUDA GPUs")
+@pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE"])
+def test_multigpu_tp2_pp2_matches_tp1_in_graph_modes(tmp_path, mode):
+    """TP=2 x PP=2 on four GPUs, with the defaults (each stage's TP pair all-reduces with the push
+    kernel), gives TP=1's and HF's greedy tokens, its graphs replayed on rank 0 (stage 0)."""
+    path, prompts, expected, options, single = _graph_mode_reference(tmp_path, mode)
+    with LLM(model=str(path), tensor_parallel_size=2, pipeline_parallel_size=2, **options) as llm:
+        runner = llm.engine.model_runner
+        assert runner.cuda_graph_ready and runner.model.num_local_kv_heads == 1
+        assert tensor_parallel_group().push is not None
+        parallel = generated_tokens(llm, prompts, GREEDY) + generated_tokens(llm, prompts[:3], GREEDY)
+        assert sum(w.num_replays for w in (runner.full, runner.piecewise) if w is not None) > 0
     assert parallel == single
     assert parallel[:len(prompts)] == expected
     assert multiprocessing.active_children() == []
