@@ -65,8 +65,10 @@ def test_soak_keeps_each_runs_log_and_reports_it(tmp_path):
                     "test_multigpu_a_peer_that_never_pushes_fails_the_step_after_the_timeout"]
     assert order(1) == [f"{parity}[nccl-FULL]", f"{parity}[nccl-FULL_AND_PIECEWISE]", *kernel_tests,
                         f"{parity}[push-FULL]", f"{parity}[push-FULL_AND_PIECEWISE]"]
+    four_gpus = "test_multigpu_tp2_pp2_matches_tp1_in_graph_modes"   # skipped on a pair of GPUs too
     assert order(2) == [*kernel_tests, f"{parity}[push-FULL]", f"{parity}[push-FULL_AND_PIECEWISE]",
-                        f"{parity}[nccl-FULL]", f"{parity}[nccl-FULL_AND_PIECEWISE]"]
+                        f"{parity}[nccl-FULL]", f"{parity}[nccl-FULL_AND_PIECEWISE]",
+                        f"{four_gpus}[FULL]", f"{four_gpus}[FULL_AND_PIECEWISE]"]
 
 
 def test_soak_cold_push_runs_every_run_cold_with_the_push_tests_only_on_each_gpu_pair(tmp_path):
