@@ -533,8 +533,8 @@ def test_multigpu_tp2_matches_tp1_in_graph_modes(tmp_path, mode, all_reduce):
     """TP=2 greedy output equals TP=1's and HF's with the push all-reduce (the default: the kernel,
     and the one-row GEMVs summing their own output) and with NCCL for every all-reduce."""
     path, prompts, expected, options, single = _graph_mode_reference(tmp_path, mode)
-    push_bytes = 128 << 10 if all_reduce == "push" else 0
-    with LLM(model=str(path), tensor_parallel_size=2, push_all_reduce_max_bytes=push_bytes, **options) as llm:
+    nccl_for_all = {} if all_reduce == "push" else {"push_all_reduce_max_bytes": 0}
+    with LLM(model=str(path), tensor_parallel_size=2, **nccl_for_all, **options) as llm:
         runner = llm.engine.model_runner
         assert runner.cuda_graph_ready and runner.model.num_local_kv_heads == 1
         push = tensor_parallel_group().push
